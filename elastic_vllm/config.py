@@ -1,0 +1,131 @@
+"""ElasticConfig: every knob of Elastic Attention, validated once.
+
+The same object configures the transformers path, the vLLM backend (through
+``--additional-config '{"elastic": {...}}'``) and the benchmarks. Validation
+errors name the offending field, e.g. ``elastic.window: must be >= 1``.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import IntEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Mode = Literal["FA-SSA", "FA-XA", "XA-SSA"]
+Pooling = Literal["boundary", "whole"]
+DecodeMode = Literal["dense", "sparse"]
+Force = Literal["auto", "all-FA", "all-SA"]
+
+MODES: tuple[str, ...] = ("FA-SSA", "FA-XA", "XA-SSA")
+FORCES: tuple[str, ...] = ("auto", "all-FA", "all-SA")
+
+
+class HeadMode(IntEnum):
+    """What one KV head computes. Stored as int8 in kernel metadata."""
+
+    FA = 0  # full causal attention
+    SSA = 1  # streaming: sink + sliding window
+    XA = 2  # XAttention block-sparse (selected block list)
+
+
+class ConfigError(ValueError):
+    """Raised for invalid elastic configuration; the message names the field."""
+
+
+class ElasticConfig(BaseModel):
+    """Configuration of Elastic Attention.
+
+    Modes are written "{retrieval-head mode}-{sparse-head mode}": in ``FA-SSA``
+    (default) heads the router sends to FA run full attention and the others
+    streaming attention (``sink`` first tokens + the last ``window`` tokens);
+    ``FA-XA`` makes the sparse heads XAttention block-sparse; ``XA-SSA`` runs the
+    retrieval heads with XAttention too (the fully sparse regime).
+
+    Streaming mask, token exact (key j visible to query i)::
+
+        j <= i  and  (j < sink  or  i - j < window)
+
+        keys ->  S S . . . . W W W
+        query i: x x . . . . x x x     (S = sink, W = window ending at i)
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Mode = "FA-SSA"
+    sink: int = Field(128, ge=0, description="attention-sink tokens kept by SSA heads")
+    window: int = Field(2048, ge=1, description="local window of SSA heads, in tokens")
+    xattn_stride: int = Field(16, ge=1, description="XAttention antidiagonal stride")
+    xattn_threshold: float = Field(
+        0.9, gt=0.0, le=1.0, description="XAttention cumulative-mass threshold tau (paper 0.9)"
+    )
+    xattn_block: int = Field(128, ge=16, description="XAttention block size in tokens")
+    pooling: Pooling = "boundary"
+    pool_tokens: int = Field(100, ge=1, description="boundary pooling: first/last N prompt tokens")
+    decode_mode: DecodeMode = "dense"
+    router_path: str | None = None
+    force: Force = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> ElasticConfig:
+        if self.xattn_block % self.xattn_stride != 0:
+            raise ValueError(
+                f"xattn_block ({self.xattn_block}) must be a multiple of xattn_stride ({self.xattn_stride})"
+            )
+        return self
+
+    # --- derived -----------------------------------------------------------------
+    @property
+    def fa_mode(self) -> HeadMode:
+        """Head mode of heads routed to FA (router index 1)."""
+        return HeadMode.XA if self.mode == "XA-SSA" else HeadMode.FA
+
+    @property
+    def sa_mode(self) -> HeadMode:
+        """Head mode of heads routed to SA (router index 0)."""
+        return HeadMode.XA if self.mode == "FA-XA" else HeadMode.SSA
+
+    @property
+    def uses_xattn(self) -> bool:
+        return self.mode != "FA-SSA"
+
+    @classmethod
+    def parse(cls, raw: Any, prefix: str = "elastic") -> ElasticConfig:
+        """Build from a dict / JSON string / ElasticConfig; errors name the field.
+
+        ``ElasticConfig.parse({"window": 0})`` raises ``ConfigError("invalid elastic
+        config: elastic.window: Input should be greater than or equal to 1 (got 0)")``.
+        """
+        if isinstance(raw, ElasticConfig):
+            return raw
+        if raw is None:
+            raw = {}
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"invalid elastic config: {prefix} is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"invalid elastic config: {prefix} must be a JSON object, got {type(raw).__name__}")
+        try:
+            return cls(**raw)
+        except ValidationError as e:
+            raise ConfigError(f"invalid elastic config: {format_validation_error(e, prefix)}") from None
+        except TypeError as e:  # e.g. non-string keys
+            raise ConfigError(f"invalid elastic config: {prefix}: {e}") from None
+
+
+def format_validation_error(e: ValidationError, prefix: str) -> str:
+    """One line per problem, each naming the field: ``elastic.window: ...``."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "__root__")
+        where = f"{prefix}.{loc}" if loc else prefix
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "extra_forbidden":
+            msg = f"unknown field (valid fields: {', '.join(ElasticConfig.model_fields)})"
+        elif "input" in err and err.get("type") != "missing":
+            msg = f"{msg} (got {err['input']!r})"
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)

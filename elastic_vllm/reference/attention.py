@@ -1,0 +1,133 @@
+"""Reference hybrid attention in plain PyTorch: the oracle every kernel is tested against.
+
+Obviously right over fast: one request, one KV head at a time, an explicit boolean mask,
+float32 (or float64) softmax. Reads K/V from a vLLM-layout paged cache through block tables.
+
+Layouts (vLLM's words)::
+
+    q            [T, Hq, D]          packed query tokens of all requests (varlen)
+    key_cache    [num_blocks, block_size, Hkv, D]
+    value_cache  [num_blocks, block_size, Hkv, D]
+    block_table  [B, max_blocks]     int, block ids of each request's sequence
+    query_start_loc [B+1]            request b's queries are q[qsl[b]:qsl[b+1]]
+    seq_lens     [B]                 tokens of request b in the cache, this step's included
+    head_modes   [B, Hkv]            HeadMode per (request, KV head): FA / SSA / XA
+
+The queries of request b are its LAST q_len tokens: positions seq_len-q_len .. seq_len-1
+(a decode row has q_len 1; a chunked-prefill row starts at any offset).
+
+Masks, for query position i and key position j (all causal: j <= i)::
+
+    FA : every j <= i
+    SSA: j < sink  or  i - j < window            (sink tokens + sliding window)
+    XA : block_mask[i // xa_block, j // xa_block] (selected key blocks per query block)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_vllm.config import HeadMode
+
+
+def visible(
+    mode: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    sink: int,
+    window: int,
+    block_mask: torch.Tensor | None = None,
+    xa_block: int = 128,
+) -> torch.Tensor:
+    """Boolean [Q, K] mask of the key positions each query position may attend to."""
+    i = q_pos[:, None]
+    j = k_pos[None, :]
+    causal = j <= i
+    if mode == HeadMode.FA:
+        return causal
+    if mode == HeadMode.SSA:
+        return causal & ((j < sink) | (i - j < window))
+    if mode == HeadMode.XA:
+        if block_mask is None:
+            raise ValueError("XA head needs a block mask")
+        qb = (q_pos // xa_block).long()
+        kb = (k_pos // xa_block).long()
+        return causal & block_mask[qb[:, None], kb[None, :]].bool()
+    raise ValueError(f"unknown head mode {mode}")
+
+
+def gather_paged(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Contiguous [seq_len, H, D] view of one request's tokens in a paged cache."""
+    block_size = cache.shape[1]
+    pos = torch.arange(seq_len, device=cache.device)
+    blocks = block_table_row.long()[pos // block_size]
+    return cache[blocks, pos % block_size]
+
+
+def hybrid_attention_ref(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    head_modes: torch.Tensor,
+    sink: int,
+    window: int,
+    scale: float | None = None,
+    xa_block_masks: list[torch.Tensor | None] | None = None,
+    xa_block: int = 128,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Hybrid FA/SSA/XA attention over a paged KV cache. Returns [T, Hq, D] in q's dtype.
+
+    xa_block_masks[b] is a bool [Hkv, num_q_blocks, num_k_blocks] over ABSOLUTE block indices
+    (block = position // xa_block) for requests with any XA head, else None.
+    """
+    _T, Hq, D = q.shape
+    Hkv = key_cache.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads {Hq} not a multiple of KV heads {Hkv}")
+    group = Hq // Hkv
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    qsl = query_start_loc.tolist()
+    for b in range(len(qsl) - 1):
+        s, e = qsl[b], qsl[b + 1]
+        q_len = e - s
+        if q_len == 0:
+            continue
+        seq_len = int(seq_lens[b])
+        k = gather_paged(key_cache, block_table[b], seq_len).to(compute_dtype)
+        v = gather_paged(value_cache, block_table[b], seq_len).to(compute_dtype)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        for h in range(Hkv):
+            mode = int(head_modes[b, h])
+            bm = None
+            if mode == HeadMode.XA:
+                if xa_block_masks is None or xa_block_masks[b] is None:
+                    raise ValueError(f"request {b} head {h} is XA but has no block mask")
+                bm = xa_block_masks[b][h]
+            mask = visible(mode, q_pos, k_pos, sink, window, bm, xa_block)  # [Q, K]
+            qh = q[s:e, h * group : (h + 1) * group].to(compute_dtype)  # [Q, G, D]
+            scores = torch.einsum("qgd,kd->gqk", qh, k[:, h]) * scale
+            scores = scores.masked_fill(~mask, float("-inf"))
+            p = torch.softmax(scores, dim=-1)
+            o = torch.einsum("gqk,kd->qgd", p, v[:, h])
+            out[s:e, h * group : (h + 1) * group] = o.to(q.dtype)
+    return out
+
+
+def write_paged(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v [T, Hkv, D] at slots (slot = block * block_size + offset), as vLLM does."""
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.long()
+    key_cache[slots // block_size, slots % block_size] = k.to(key_cache.dtype)
+    value_cache[slots // block_size, slots % block_size] = v.to(value_cache.dtype)

@@ -1,0 +1,119 @@
+"""The Attention Router (one per layer, weights shared by the KV heads of the layer).
+
+Matches the authors' checkpoints tensor for tensor (see ``router/convert.py``)::
+
+    keys x_K [T, H_kv, d]  (pre-RoPE, post-k_norm)
+      -> pool over the first/last N prompt tokens          [H_kv, d]
+      -> Task MLP   Linear(d,4d) SiLU Linear(4d,d)          [H_kv, d]
+      -> Router MLP Linear(d,4d) SiLU Linear(4d,d) SiLU Linear(d,2)
+      -> logits z [H_kv, 2];  decision = argmax z;  INDEX 1 = FULL ATTENTION
+
+With d = 128 a layer has 263,682 parameters (the paper's "0.27M").
+The router runs in float32 whatever the backbone dtype: it is tiny, and the
+vLLM and transformers engines must reach the same decisions.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+FA_INDEX = 1  # authors' code: logit index 1 = full attention (the paper's text says r=0)
+
+
+class LayerRouter(nn.Module):
+    """Router of one layer. Input [..., d] pooled keys, output [..., 2] logits."""
+
+    def __init__(self, head_dim: int, hidden_mult: int = 4):
+        super().__init__()
+        d, h = head_dim, hidden_mult * head_dim
+        self.cls_feat_extractor = nn.Sequential(nn.Linear(d, h), nn.SiLU(), nn.Linear(h, d))
+        self.cls_router_head_agnostic = nn.Sequential(
+            nn.Linear(d, h), nn.SiLU(), nn.Linear(h, d), nn.SiLU(), nn.Linear(d, 2)
+        )
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.cls_router_head_agnostic(self.cls_feat_extractor(pooled))
+
+
+class ElasticRouter(nn.Module):
+    """All layers' routers of one backbone.
+
+    ``forward(layer, pooled [B, H_kv, d]) -> logits [B, H_kv, 2]`` (float32).
+    """
+
+    def __init__(self, num_layers: int, head_dim: int, hidden_mult: int = 4):
+        super().__init__()
+        self.num_layers = num_layers
+        self.head_dim = head_dim
+        self.hidden_mult = hidden_mult
+        self.layers = nn.ModuleList(LayerRouter(head_dim, hidden_mult) for _ in range(num_layers))
+
+    def forward(self, layer: int, pooled: torch.Tensor) -> torch.Tensor:
+        if pooled.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"router expects pooled keys with head_dim {self.head_dim}, got shape {tuple(pooled.shape)}"
+            )
+        return self.layers[layer](pooled.float())
+
+    @torch.no_grad()
+    def route(self, layer: int, pooled: torch.Tensor) -> torch.Tensor:
+        """Hard decisions [B, H_kv] bool, True = full attention (index 1)."""
+        return decide(self.forward(layer, pooled))
+
+
+def decide(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the 2 logits; True where index 1 (FA) wins.
+
+    Ties go to index 0 (SA), as ``torch.argmax`` (first maximum) does in the authors' code.
+    """
+    return logits[..., FA_INDEX] > logits[..., 1 - FA_INDEX]
+
+
+def boundary_positions(length: int, n: int, device=None) -> torch.Tensor:
+    """Positions pooled for a prompt of ``length`` tokens: the first ``n`` and the last
+    ``n``, without counting a token twice (a prompt shorter than 2n pools all tokens).
+
+    >>> boundary_positions(5, 2).tolist()
+    [0, 1, 3, 4]
+    >>> boundary_positions(3, 2).tolist()
+    [0, 1, 2]
+    """
+    if length <= 0:
+        raise ValueError(f"cannot pool an empty prompt (length {length})")
+    if length <= 2 * n:
+        return torch.arange(length, device=device)
+    return torch.cat([torch.arange(n, device=device), torch.arange(length - n, length, device=device)])
+
+
+def pool_keys(keys: torch.Tensor, pooling: str = "boundary", n: int = 100) -> torch.Tensor:
+    """Pool the keys of ONE prompt. keys [T, H_kv, d] -> [H_kv, d] (float32).
+
+    pooling="boundary": mean over the first/last ``n`` tokens (the paper's inference);
+    pooling="whole": mean over all T tokens (the authors' training code).
+    """
+    if keys.dim() != 3:
+        raise ValueError(f"keys must be [T, H_kv, d], got shape {tuple(keys.shape)}")
+    T = keys.shape[0]
+    if pooling == "whole":
+        if T == 0:
+            raise ValueError("cannot pool an empty prompt (length 0)")
+        return keys.float().mean(0)
+    if pooling != "boundary":
+        raise ValueError(f"unknown pooling {pooling!r} (expected 'boundary' or 'whole')")
+    idx = boundary_positions(T, n, device=keys.device)
+    return keys.index_select(0, idx).float().mean(0)
+
+
+def pool_keys_varlen(
+    keys: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str = "boundary", n: int = 100
+) -> torch.Tensor:
+    """Pool a packed batch. keys [total, H_kv, d], cu_seqlens [B+1] -> [B, H_kv, d]."""
+    bounds = cu_seqlens.tolist()
+    return torch.stack([pool_keys(keys[s:e], pooling, n) for s, e in itertools.pairwise(bounds)])
+
+
+def num_parameters_per_layer(head_dim: int, hidden_mult: int = 4) -> int:
+    return sum(p.numel() for p in LayerRouter(head_dim, hidden_mult).parameters())
