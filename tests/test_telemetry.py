@@ -1,0 +1,53 @@
+import os
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from elastic_vllm.telemetry.metrics import RoutingRecord, record_routing
+from elastic_vllm.telemetry.serve import PREFIX, prepare_multiproc_dir, vllm_serve_argv
+
+
+def _val(name, **labels):
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_record_routing_counts_every_head_once():
+    dec = torch.tensor([[True, False, False], [False, False, False]])
+    before_sa0 = _val("elastic:head_decisions_total", model_name="t", layer="0", decision="SA", tp_rank="0")
+    before_fa0 = _val("elastic:head_decisions_total", model_name="t", layer="0", decision="FA", tp_rank="0")
+    before_sa1 = _val("elastic:head_decisions_total", model_name="t", layer="1", decision="SA", tp_rank="0")
+    before_n = _val("elastic:request_omega_msr_count", model_name="t")
+    before_sum = _val("elastic:request_omega_msr_sum", model_name="t")
+    before_req = _val("elastic:requests_total", model_name="t", override="all-SA")
+    rec = RoutingRecord("r1", "t", dec, omega_msr=5 / 6, omega_esr=0.4, prompt_len=100, router_latency_s=1e-4)
+    rec.override = "all-SA"
+    record_routing(rec)
+    assert _val("elastic:head_decisions_total", model_name="t", layer="0", decision="SA", tp_rank="0") == before_sa0 + 2
+    assert _val("elastic:head_decisions_total", model_name="t", layer="0", decision="FA", tp_rank="0") == before_fa0 + 1
+    assert _val("elastic:head_decisions_total", model_name="t", layer="1", decision="SA", tp_rank="0") == before_sa1 + 3
+    assert _val("elastic:request_omega_msr_count", model_name="t") == before_n + 1
+    assert _val("elastic:request_omega_msr_sum", model_name="t") == pytest.approx(before_sum + 5 / 6)
+    assert _val("elastic:requests_total", model_name="t", override="all-SA") == before_req + 1
+
+
+def test_nonzero_rank_records_counters_not_request_histograms():
+    before = _val("elastic:request_omega_msr_count", model_name="tp")
+    record_routing(RoutingRecord("r", "tp", torch.ones(1, 2, dtype=torch.bool), 0.0, 0.0, 10, 1e-4, tp_rank=1))
+    assert _val("elastic:request_omega_msr_count", model_name="tp") == before
+    assert _val("elastic:head_decisions_total", model_name="tp", layer="0", decision="FA", tp_rank="1") >= 2
+
+
+def test_multiproc_dir_is_fresh_and_stale_ones_go(tmp_path):
+    stale = tmp_path / f"{PREFIX}999999999"
+    stale.mkdir()
+    (stale / "counter_1.db").write_bytes(b"x")
+    d = prepare_multiproc_dir(str(tmp_path))
+    assert d.name == f"{PREFIX}{os.getpid()}" and not any(d.iterdir())
+    assert not stale.exists()
+
+
+def test_serve_argv_adds_elastic_unless_another_backend():
+    assert vllm_serve_argv("m", ["--port", "1"])[-2:] == ["--attention-backend", "elastic"]
+    argv = vllm_serve_argv("m", ["--attention-backend=TRITON_ATTN"])
+    assert argv.count("--attention-backend") == 0 and argv[-1] == "--attention-backend=TRITON_ATTN"
