@@ -161,3 +161,19 @@ def test_cli_convert(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["backbone"]["num_layers"] == 2
     assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "o2")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_expected_shapes_match_the_module():
+    from elastic_vllm.router.checkpoint import expected_shapes
+
+    r = ElasticRouter(3, 16, 2)
+    assert expected_shapes(3, 16, 2) == {k: tuple(v.shape) for k, v in r.state_dict().items()}
+
+
+def test_huge_metadata_shape_fails_cleanly(tmp_path):
+    save_router(ElasticRouter(2, 16), tmp_path, _meta(L=2))
+    m = json.loads((tmp_path / "router.json").read_text())
+    m["backbone"]["head_dim"] = 2**40
+    (tmp_path / "router.json").write_text(json.dumps(m))
+    with pytest.raises(RouterCheckpointError, match="expected"):
+        load_router(tmp_path)

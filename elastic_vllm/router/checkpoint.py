@@ -70,13 +70,19 @@ class BackboneMeta(BackboneShape):
     model_type: str = "unknown"
 
 
+class RouterSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    hidden_mult: int = Field(4, ge=1, le=64)
+
+
 class RouterMeta(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     backbone: BackboneMeta
-    router: dict[str, Any] = Field(default_factory=lambda: {"hidden_mult": 4})
+    router: RouterSpec = Field(default_factory=RouterSpec)
     pooling: dict[str, Any] = Field(default_factory=lambda: {"mode": "boundary", "tokens": 100})
     attention: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
@@ -89,7 +95,7 @@ class RouterMeta(BaseModel):
 
     @property
     def hidden_mult(self) -> int:
-        return int(self.router.get("hidden_mult", 4))
+        return self.router.hidden_mult
 
 
 @dataclass
@@ -123,9 +129,8 @@ def save_router(router: ElasticRouter, path: str | Path, meta: RouterMeta) -> Pa
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in router.state_dict().items()}
     wpath = out / WEIGHTS_FILE
     save_file(tensors, str(wpath), metadata={"format": FORMAT})
-    meta = meta.model_copy(
-        update={"sha256": _sha256(wpath), "router": {**meta.router, "hidden_mult": router.hidden_mult}}
-    )
+    spec = meta.router.model_copy(update={"hidden_mult": router.hidden_mult})
+    meta = meta.model_copy(update={"sha256": _sha256(wpath), "router": spec})
     (out / META_FILE).write_text(json.dumps(meta.model_dump(), indent=2) + "\n")
     return out
 
@@ -170,6 +175,24 @@ def check_shape(meta: RouterMeta, model: BackboneShape, model_name: str = "the m
         )
 
 
+def expected_shapes(num_layers: int, head_dim: int, hidden_mult: int) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of an ElasticRouter, computed without allocating it."""
+    d, h = head_dim, hidden_mult * head_dim
+    per_layer = {
+        "cls_feat_extractor.0.weight": (h, d),
+        "cls_feat_extractor.0.bias": (h,),
+        "cls_feat_extractor.2.weight": (d, h),
+        "cls_feat_extractor.2.bias": (d,),
+        "cls_router_head_agnostic.0.weight": (h, d),
+        "cls_router_head_agnostic.0.bias": (h,),
+        "cls_router_head_agnostic.2.weight": (d, h),
+        "cls_router_head_agnostic.2.bias": (d,),
+        "cls_router_head_agnostic.4.weight": (2, d),
+        "cls_router_head_agnostic.4.bias": (2,),
+    }
+    return {f"layers.{i}.{k}": v for i in range(num_layers) for k, v in per_layer.items()}
+
+
 def load_router(
     path: str | Path,
     expect: BackboneShape | None = None,
@@ -198,8 +221,7 @@ def load_router(
         tensors = load_file(str(wpath))
     except (SafetensorError, OSError, ValueError) as e:
         raise RouterCheckpointError(f"{wpath} is truncated or corrupted: {e}") from None
-    router = ElasticRouter(meta.backbone.num_layers, meta.backbone.head_dim, meta.hidden_mult)
-    expected = router.state_dict()
+    expected = expected_shapes(meta.backbone.num_layers, meta.backbone.head_dim, meta.hidden_mult)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
@@ -207,14 +229,16 @@ def load_router(
             f"{wpath}: tensor names do not match a {meta.backbone.num_layers}-layer router "
             f"(missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{'...' if len(extra) > 3 else ''})"
         )
-    for k, v in expected.items():
-        if tuple(tensors[k].shape) != tuple(v.shape):
+    for k, shape in expected.items():
+        if tuple(tensors[k].shape) != shape:
             raise RouterCheckpointError(
-                f"{wpath}: tensor {k} has shape {tuple(tensors[k].shape)}, expected {tuple(v.shape)} "
+                f"{wpath}: tensor {k} has shape {tuple(tensors[k].shape)}, expected {shape} "
                 f"for head_dim {meta.backbone.head_dim}"
             )
         if not torch.isfinite(tensors[k]).all():
             raise RouterCheckpointError(f"{wpath}: tensor {k} holds NaN or inf values")
+    # shapes verified against the file: allocating the router cannot blow up on bad metadata
+    router = ElasticRouter(meta.backbone.num_layers, meta.backbone.head_dim, meta.hidden_mult)
     router.load_state_dict({k: t.float() for k, t in tensors.items()})
     router.to(device).eval().requires_grad_(False)
     return RouterCheckpoint(router=router, meta=meta, path=folder)

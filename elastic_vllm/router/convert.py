@@ -26,6 +26,7 @@ from elastic_vllm.router.checkpoint import (
     BackboneMeta,
     RouterCheckpointError,
     RouterMeta,
+    RouterSpec,
     save_router,
 )
 from elastic_vllm.router.model import ElasticRouter
@@ -114,7 +115,7 @@ def convert_authors_checkpoint(src: str | Path, out: str | Path, backbone_id: st
             num_kv_heads=kv,
             head_dim=head_dim,
         ),
-        router={"hidden_mult": hidden // head_dim},
+        router=RouterSpec(hidden_mult=hidden // head_dim),
         pooling={"mode": "boundary", "tokens": 100, "authors_pooling_mode": author.get("pooling_mode")},
         attention=_attention_meta(author),
         training={"source": f"converted from the authors' checkpoint {src.name}"},
