@@ -1,0 +1,341 @@
+"""XAttention block selection on the GPU: antidiagonal scoring + threshold, per (request, KV head).
+
+Same semantics as ``elastic_vllm.reference.xattn.xattn_block_mask_ref`` (read its docstring):
+strided antidiagonal estimates over absolute stride groups, group-level causal softmax (float32),
+block mass summed over the live query groups and the G query heads of the KV head, then per
+query block the smallest set of key blocks (largest mass first, ties to the lower index) whose
+mass reaches ``threshold`` of the row total, plus block 0 and the diagonal block.
+
+One program per (query block, KV head, request); programs of heads not in XA mode write a zero
+count and exit, so FA/SSA heads cost nothing (and a caller in FA-SSA mode does not launch this).
+A program computes the [query groups x key groups] estimates tile by tile twice (row max/sum,
+then normalised block masses), keeps the block masses of its row in a small global scratch, and
+selects with one bitonic sort of (mass, index) keys.
+
+Output (the prefill kernel's XA metadata)::
+
+    xa_block_idx [B, Hkv, max_q_blocks, max_k_blocks] int32   ascending absolute key blocks
+    xa_block_cnt [B, Hkv, max_q_blocks] int32                 how many are valid
+
+indexed by the query block RELATIVE to the request's first query block of this step
+((seq_len - q_len) // block). Rows of query blocks the request does not have get count 0.
+
+Agreement with the reference: identical selections on random inputs except where a block's
+cumulative mass lies within float32 rounding (~1e-4 relative) of the threshold, since the
+estimates and sums are accumulated in a different order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    MODE_DTYPES,
+    check_tensor,
+    dot_precision,
+    next_pow2,
+)
+
+
+@triton.jit
+def _est_tile(
+    q,
+    k_cache,
+    p_bt,
+    grp,  # [BR] query group of each row
+    o_hq,  # [BR] query head of each row
+    q_start,
+    ctx,
+    seq_len,
+    c0,
+    s_qt,
+    s_qh,
+    s_kb,
+    s_kt,
+    qk_scale,
+    STRIDE: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """est[r, c] = sum_s q[grp_r*S + S-1-s] . k[(c0+c)*S + s] * scale / S * log2(e)."""
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    o_c = c0 + tl.arange(0, BLOCK_C)  # [BC] key groups
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for s in range(STRIDE):
+        qpos = grp * STRIDE + (STRIDE - 1 - s)  # [BR]
+        m_q = (qpos >= ctx) & (qpos < seq_len)  # queries outside this step count as zero
+        o_tok = (q_start + qpos - ctx).to(tl.int64)
+        b_q = tl.load(
+            q + o_tok[:, None] * s_qt + (o_hq * s_qh)[:, None] + o_d[None, :],
+            mask=m_q[:, None] & m_d[None, :],
+            other=0.0,
+        )  # [BR, BD]
+        kpos = o_c * STRIDE + s  # [BC]
+        m_k = kpos < seq_len
+        i_blk = tl.load(p_bt + kpos // BS, mask=m_k, other=0).to(tl.int64)
+        b_k = tl.load(
+            k_cache + (i_blk * s_kb + (kpos % BS) * s_kt)[:, None] + o_d[None, :],
+            mask=m_k[:, None] & m_d[None, :],
+            other=0.0,
+        )  # [BC, BD]
+        acc += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+    return acc * qk_scale
+
+
+@triton.jit
+def _xattn_select_kernel(
+    q,
+    k_cache,
+    block_table,
+    query_start_loc,
+    seq_lens,
+    head_modes,
+    head_mode_slots,
+    xa_idx,
+    xa_cnt,
+    mass,  # fp32 [B, Hkv, max_q_blocks, KB_P2] scratch
+    s_qt,
+    s_qh,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_bt,
+    s_hm0,
+    s_hm1,
+    s_xi0,
+    s_xi1,
+    s_xi2,
+    s_xc0,
+    s_xc1,
+    max_k_blocks,
+    threshold,
+    qk_scale,
+    G: tl.constexpr,
+    STRIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PER: tl.constexpr,
+    KPT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KB_P2: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    BLOCK_C: tl.constexpr = PER * KPT
+    i_a = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    p_cnt = xa_cnt + i_b.to(tl.int64) * s_xc0 + i_h * s_xc1 + i_a
+    if HAS_SLOTS:
+        i_row = tl.load(head_mode_slots + i_b).to(tl.int64)
+    else:
+        i_row = i_b.to(tl.int64)
+    mode = tl.load(head_modes + i_row * s_hm0 + i_h * s_hm1).to(tl.int32)
+    q_start = tl.load(query_start_loc + i_b)
+    q_len = tl.load(query_start_loc + i_b + 1) - q_start
+    seq_len = tl.load(seq_lens + i_b)
+    ctx = seq_len - q_len
+    blk_a = ctx // BLOCK + i_a  # absolute query block
+    if (mode != 2) | (q_len <= 0) | (blk_a * BLOCK >= seq_len):
+        tl.store(p_cnt, 0)
+        return
+    g_lo = ctx // STRIDE
+    g_hi = (seq_len - 1) // STRIDE
+    o_r = tl.arange(0, BLOCK_R)
+    grp = blk_a * PER + o_r // G  # [BR]
+    o_hq = i_h * G + o_r % G
+    row_live = (o_r < PER * G) & (grp >= g_lo) & (grp <= g_hi)
+    grp = tl.where(o_r < PER * G, grp, blk_a * PER)
+    a_max = tl.minimum(blk_a * PER + PER - 1, g_hi)
+    n_ct = tl.cdiv(a_max + 1, BLOCK_C)
+    p_bt = block_table + i_b.to(tl.int64) * s_bt
+    p_k = k_cache + i_h.to(tl.int64) * s_kh
+    # pass 1: row max / sum of the group-causal softmax
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for i_ct in range(0, n_ct):
+        c0 = i_ct * BLOCK_C
+        b_e = _est_tile(
+            q, p_k, p_bt, grp, o_hq, q_start, ctx, seq_len, c0, s_qt, s_qh, s_kb, s_kt, qk_scale,
+            STRIDE, BS, BLOCK_R, BLOCK_C, HEAD_DIM, BLOCK_D, DOT_PREC,
+        )  # fmt: skip
+        o_c = c0 + tl.arange(0, BLOCK_C)
+        b_e = tl.where(o_c[None, :] <= grp[:, None], b_e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_e, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(b_e - m_new[:, None]), 1)
+        m_i = m_new
+    r_l = tl.where(row_live, 1.0 / l_i, 0.0)  # dead rows carry no mass
+    # pass 2: normalised probabilities summed into key-block masses
+    p_mass = mass + ((i_b.to(tl.int64) * tl.num_programs(1) + i_h) * tl.num_programs(0) + i_a) * KB_P2
+    for i_ct in range(0, n_ct):
+        c0 = i_ct * BLOCK_C
+        b_e = _est_tile(
+            q, p_k, p_bt, grp, o_hq, q_start, ctx, seq_len, c0, s_qt, s_qh, s_kb, s_kt, qk_scale,
+            STRIDE, BS, BLOCK_R, BLOCK_C, HEAD_DIM, BLOCK_D, DOT_PREC,
+        )  # fmt: skip
+        o_c = c0 + tl.arange(0, BLOCK_C)
+        b_p = tl.where(o_c[None, :] <= grp[:, None], tl.exp2(b_e - m_i[:, None]), 0.0) * r_l[:, None]
+        b_col = tl.sum(b_p, 0)  # [BC]
+        b_blk = tl.sum(tl.reshape(b_col, [KPT, PER]), 1)  # [KPT]
+        o_kb = i_ct * KPT + tl.arange(0, KPT)
+        tl.store(p_mass + o_kb, b_blk, mask=o_kb <= blk_a)
+    tl.debug_barrier()
+    # selection: sort (mass desc, index asc), keep the prefix whose preceding mass < threshold * total
+    o_kb = tl.arange(0, KB_P2)
+    m_kb = o_kb <= blk_a
+    b_m = tl.load(p_mass + o_kb, mask=m_kb, other=0.0)
+    need = threshold * tl.sum(b_m, 0)
+    bits = b_m.to(tl.int32, bitcast=True).to(tl.int64)  # masses >= 0: bit order = value order
+    key = tl.where(m_kb, (bits << 32) | (KB_P2 - o_kb).to(tl.int64), -1)
+    s_key = tl.sort(key, descending=True)
+    s_val = tl.where(s_key >= 0, (s_key >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    before = tl.cumsum(s_val, 0) - s_val
+    keep_n = tl.sum(((before < need) & (s_key >= 0)).to(tl.int32), 0)
+    keep_n = tl.maximum(keep_n, 1)
+    kth = tl.max(tl.where(o_kb == keep_n - 1, s_key, -1), 0)
+    sel = m_kb & ((key >= kth) | (o_kb == 0) | (o_kb == blk_a))
+    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+    p_idx = xa_idx + i_b.to(tl.int64) * s_xi0 + i_h * s_xi1 + i_a.to(tl.int64) * s_xi2
+    tl.store(p_idx + pos, o_kb, mask=sel)
+    tl.store(p_cnt, tl.sum(sel.to(tl.int32), 0))
+
+
+def xattn_max_blocks(max_query_len: int, max_seq_len: int, block: int = 128) -> tuple[int, int]:
+    """(max_q_blocks, max_k_blocks) for a batch: a chunk may start mid-block, hence the +1."""
+    return triton.cdiv(max_query_len, block) + 1, max(triton.cdiv(max_seq_len, block), 1)
+
+
+def xattn_select(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    head_modes: torch.Tensor,
+    *,
+    max_q_blocks: int,
+    max_k_blocks: int,
+    stride: int = 16,
+    block: int = 128,
+    threshold: float = 0.9,
+    scale: float | None = None,
+    head_mode_slots: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select the key blocks of every XA (request, KV head, query block) of a varlen batch.
+
+    Args:
+        q: [T, Hq, D] this step's queries (as the attention sees them, post-RoPE), packed as for
+            ``prefill_attention``; key_cache [num_blocks, block_size, Hkv, D].
+        block_table, query_start_loc, seq_lens, head_modes, head_mode_slots: as ``prefill_attention``.
+        max_q_blocks, max_k_blocks: Python ints bounding the output (``xattn_max_blocks``).
+        stride, block, threshold, scale: XAttention parameters (config xattn_stride, xattn_block,
+            xattn_threshold); block / stride must be a power of two.
+
+    Returns:
+        (xa_block_idx [B, Hkv, max_q_blocks, max_k_blocks] int32, xa_block_cnt [B, Hkv, max_q_blocks]
+        int32), the metadata ``prefill_attention`` takes. No host synchronisation.
+    """
+    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    dev = q.device
+    check_tensor(key_cache, "key_cache", dim=4, dtypes=(q.dtype,), device=dev, last_contiguous=True)
+    _nb, bs, hkv, d = key_cache.shape
+    _t, hq, dq = q.shape
+    if dq != d:
+        raise ValueError(f"q: head_dim {dq} differs from the cache's {d}")
+    if hq % hkv:
+        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
+    B = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
+    check_tensor(seq_lens, "seq_lens", dim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_tensor(query_start_loc, "query_start_loc", dim=1, dtypes=INDEX_DTYPES, shape=(B + 1,), device=dev)
+    check_tensor(block_table, "block_table", dim=2, dtypes=INDEX_DTYPES, shape=(B, None), device=dev)
+    if head_mode_slots is None:
+        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(B, hkv), device=dev)
+    else:
+        check_tensor(head_mode_slots, "head_mode_slots", dim=1, dtypes=INDEX_DTYPES, shape=(B,), device=dev)
+        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(None, hkv), device=dev)
+    if stride < 1 or block % stride:
+        raise ValueError(f"block: {block} must be a multiple of stride {stride}")
+    per = block // stride
+    if per & (per - 1):
+        raise ValueError(f"block/stride: {per} groups per block, a power of two is required")
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold: must be in (0, 1], got {threshold}")
+    if max_q_blocks < 1 or max_k_blocks < 1:
+        raise ValueError(f"max_q_blocks/max_k_blocks: must be >= 1, got {max_q_blocks}/{max_k_blocks}")
+    g = hq // hkv
+    idx = torch.empty(B, hkv, max_q_blocks, max_k_blocks, device=dev, dtype=torch.int32)
+    cnt = torch.empty(B, hkv, max_q_blocks, device=dev, dtype=torch.int32)
+    if B == 0:
+        return idx, cnt
+    kb_p2 = next_pow2(max_k_blocks)
+    mass = torch.empty(B, hkv, max_q_blocks, kb_p2, device=dev, dtype=torch.float32)
+    kpt = max(1, 64 // per)  # key tiles of 64 stride groups (8 blocks at block 128, stride 16)
+    scale = d**-0.5 if scale is None else scale
+    hm_slots = head_mode_slots if head_mode_slots is not None else seq_lens
+    _xattn_select_kernel[(max_q_blocks, hkv, B)](
+        q, key_cache, block_table, query_start_loc, seq_lens, head_modes, hm_slots, idx, cnt, mass,
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_table.stride(0), head_modes.stride(0), head_modes.stride(1),
+        idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1),
+        max_k_blocks, float(threshold), scale / stride * 1.4426950408889634,
+        G=g, STRIDE=stride, BLOCK=block, PER=per, KPT=kpt, BLOCK_R=max(16, next_pow2(per * g)), BS=bs,
+        HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), KB_P2=kb_p2, HAS_SLOTS=head_mode_slots is not None,
+        DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return idx, cnt
+
+
+def block_masks_to_lists(
+    masks: list[torch.Tensor | None],
+    seq_lens: list[int],
+    query_lens: list[int],
+    block: int,
+    max_q_blocks: int,
+    max_k_blocks: int,
+    num_kv_heads: int,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host helper: reference bool masks [Hkv, nb, nb] (absolute blocks) -> (xa_block_idx, xa_block_cnt)."""
+    B = len(seq_lens)
+    idx = torch.zeros(B, num_kv_heads, max_q_blocks, max_k_blocks, dtype=torch.int32)
+    cnt = torch.zeros(B, num_kv_heads, max_q_blocks, dtype=torch.int32)
+    for b, (m, s, ql) in enumerate(zip(masks, seq_lens, query_lens)):
+        if m is None or ql == 0:
+            continue
+        lo, hi = (s - ql) // block, (s - 1) // block
+        for h in range(num_kv_heads):
+            for a in range(lo, hi + 1):
+                sel = torch.nonzero(m[h, a]).flatten()
+                cnt[b, h, a - lo] = sel.numel()
+                idx[b, h, a - lo, : sel.numel()] = sel.to(torch.int32)
+    return idx.to(device), cnt.to(device)
+
+
+def lists_to_block_masks(
+    idx: torch.Tensor, cnt: torch.Tensor, seq_lens: list[int], query_lens: list[int], block: int
+) -> list[torch.Tensor]:
+    """Host helper: (xa_block_idx, xa_block_cnt) -> per-request bool masks [Hkv, nb, nb] (absolute blocks)."""
+    idx, cnt = idx.cpu(), cnt.cpu()
+    out = []
+    for b, (s, ql) in enumerate(zip(seq_lens, query_lens)):
+        nb = max(triton.cdiv(s, block), 1)
+        m = torch.zeros(idx.shape[1], nb, nb, dtype=torch.bool)
+        if ql:
+            lo, hi = (s - ql) // block, (s - 1) // block
+            for h in range(idx.shape[1]):
+                for a in range(lo, hi + 1):
+                    n = int(cnt[b, h, a - lo])
+                    m[h, a, idx[b, h, a - lo, :n].long()] = True
+        out.append(m)
+    return out
