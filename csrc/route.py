@@ -351,7 +351,7 @@ def route(
         raise ValueError(f"num_chunks: {nc} x {R} requests exceeds {sms} SMs (fused programs must be co-resident)")
     hd = hkv * d
     ws, cnt = _workspace(dev, R, nc, hd)
-    n = pool_tokens if pooling == "boundary" else 1 << 30
+    n = min(pool_tokens, 1 << 29) if pooling == "boundary" else 1 << 29  # 2n must fit in int32
     lg = logits_out if logits_out is not None else ws
     args = (
         key_cache, block_table, req_rows, prompt_lens, slots, inv_freq, weights, table, lg, ws, cnt,

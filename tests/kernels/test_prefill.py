@@ -1,0 +1,170 @@
+"""Fused hybrid prefill kernel (csrc/prefill.py) against the reference, under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from conftest import nan_like
+from elastic_vllm.csrc import _common
+from elastic_vllm.csrc.prefill import prefill_attention
+from elastic_vllm.csrc.xattn_select import block_masks_to_lists
+from kutils import assert_close, no_host_sync, random_modes, strided_caches
+
+from elastic_vllm.config import HeadMode
+from elastic_vllm.reference.attention import hybrid_attention_ref
+from elastic_vllm.reference.paged import make_paged_batch
+
+FA, SSA, XA = int(HeadMode.FA), int(HeadMode.SSA), int(HeadMode.XA)
+
+
+def test_mode_constants_match_config():
+    assert (_common.MODE_FA, _common.MODE_SSA, _common.MODE_XA) == (FA, SSA, XA)
+
+
+def run(batch, modes, sink, window, dtype_out=None, xa=None, **kw):
+    out = nan_like(batch.q)
+    ret = prefill_attention(
+        batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc,
+        batch.seq_lens, modes, sink=sink, window=window, out=out, **kw,
+    )  # fmt: skip
+    assert ret is out
+    return out
+
+
+def ref(batch, modes, sink, window, masks=None, blk=128):
+    return hybrid_attention_ref(
+        batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc,
+        batch.seq_lens, modes, sink, window, xa_block_masks=masks, xa_block=blk,
+    )  # fmt: skip
+
+
+# name: (seq_lens, query_lens, Hq, Hkv, D, block_size, sink, window, modes, tiles (block_m, block_n))
+CASES = {
+    "ragged_varlen_gqa2": ([1, 63, 113], [1, 63, 113], 4, 2, 32, 16, 4, 20, (FA, SSA), (32, 16)),
+    "gqa1_bs32": ([63, 40], [63, 40], 2, 2, 32, 32, 3, 17, (FA, SSA), (32, 32)),
+    "gqa3_d24": ([50, 77], [50, 77], 6, 2, 24, 16, 5, 9, (FA, SSA), (64, 16)),
+    "gqa4_tile_in_block": ([90, 33], [90, 33], 8, 2, 16, 64, 8, 30, (FA, SSA), (64, 32)),
+    "gqa8_d64": ([70], [70], 8, 1, 64, 16, 4, 16, (SSA,), (64, 16)),
+    "chunked_prefill": ([70, 90, 200], [20, 33, 77], 4, 2, 16, 16, 6, 25, (FA, SSA), (32, 16)),
+    "mixed_decode_rows": ([100, 17, 60, 5], [1, 17, 12, 1], 4, 2, 16, 16, 4, 10, (FA, SSA), (32, 16)),
+    "empty_request": ([30, 12, 40], [30, 0, 5], 4, 2, 16, 16, 2, 7, (FA, SSA), (32, 16)),
+    "sink0_window1_diag_only": ([45], [45], 4, 2, 16, 16, 0, 1, (SSA,), (32, 16)),
+    "window_covers_all": ([45], [45], 4, 2, 16, 16, 0, 1000, (FA, SSA), (32, 16)),
+    "sink_covers_all": ([45], [45], 4, 2, 16, 16, 1000, 3, (FA, SSA), (32, 16)),
+    "all_fa": ([60, 9], [60, 9], 4, 2, 16, 16, 4, 8, (FA,), (32, 16)),
+    "default_tiles": ([80, 130], [80, 60], 4, 2, 32, 16, 8, 40, (FA, SSA), None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prefill_matches_reference(name):
+    seqs, qls, hq, hkv, d, bs, sink, window, modes, tiles = CASES[name]
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    batch = make_paged_batch(seqs, qls, hq, hkv, d, block_size=bs, generator=gen)
+    hm = random_modes(len(seqs), hkv, modes, gen)
+    kw = {} if tiles is None else {"block_m": tiles[0], "block_n": tiles[1]}
+    out = run(batch, hm, sink, window, **kw)
+    assert_close(out, ref(batch, hm, sink, window), name)
+
+
+def test_prefill_long_ragged_1023():
+    gen = torch.Generator().manual_seed(7)
+    batch = make_paged_batch([1023], [1023], 2, 2, 16, block_size=16, generator=gen)
+    hm = torch.tensor([[FA, SSA]], dtype=torch.int8)
+    out = run(batch, hm, 16, 100, block_m=64, block_n=64)
+    assert_close(out, ref(batch, hm, 16, 100), "1023")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_dtypes_strided_cache_and_slots(dtype):
+    gen = torch.Generator().manual_seed(3)
+    batch = make_paged_batch([70, 50], [30, 50], 8, 2, 32, block_size=16, dtype=dtype, generator=gen)
+    kc, vc = strided_caches(batch)
+    assert not kc.is_contiguous()
+    hm = torch.tensor([[FA, SSA], [SSA, FA]], dtype=torch.int8)
+    # a persistent [slots, layers, Hkv] table read through slot indices, as the vLLM backend does
+    table = torch.full((5, 3, 2), 7, dtype=torch.int8)
+    table[3, 1], table[0, 1] = hm[0], hm[1]
+    slots = torch.tensor([3, 0], dtype=torch.int32)
+    out = nan_like(batch.q)
+    prefill_attention(
+        batch.q, kc, vc, batch.block_table, batch.query_start_loc, batch.seq_lens, table[:, 1],
+        sink=4, window=12, out=out, head_mode_slots=slots, block_m=32, block_n=16,
+    )  # fmt: skip
+    assert_close(out, ref(batch, hm, 4, 12), str(dtype))
+
+
+def random_xa_masks(seqs, hkv, blk, gen):
+    masks = []
+    for s in seqs:
+        nb = -(-s // blk)
+        m = (torch.rand(hkv, nb, nb, generator=gen) < 0.5) & torch.tril(torch.ones(nb, nb, dtype=torch.bool))
+        m[:, :, 0] = True  # every query sees key 0, so no row is empty
+        masks.append(m)
+    return masks
+
+
+@pytest.mark.parametrize(
+    "seqs,qls,tiles",
+    [
+        ([200, 64], [200, 64], (32, 16)),  # aligned tiles
+        ([130, 97, 70], [50, 97, 3], (64, 16)),  # chunks start mid-block: tiles straddle two query blocks
+    ],
+)
+def test_prefill_xa_and_mixed_modes(seqs, qls, tiles):
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, blk = 4, 2, 16, 32
+    batch = make_paged_batch(seqs, qls, hq, hkv, d, block_size=16, generator=gen)
+    hm = random_modes(len(seqs), hkv, (FA, SSA, XA), gen)
+    hm[0, 0] = XA
+    masks = random_xa_masks(seqs, hkv, blk, gen)
+    mq = max(-(-q // blk) + 1 for q in qls)
+    mk = max(-(-s // blk) for s in seqs)
+    idx, cnt = block_masks_to_lists(masks, seqs, qls, blk, mq, mk, hkv)
+    out = run(batch, hm, 4, 20, xa_block_idx=idx, xa_block_cnt=cnt, xattn_block=blk, block_m=tiles[0], block_n=tiles[1])
+    assert_close(out, ref(batch, hm, 4, 20, masks, blk), "xa")
+
+
+def test_prefill_xa_without_metadata_runs_as_fa():
+    gen = torch.Generator().manual_seed(5)
+    batch = make_paged_batch([40], [40], 4, 2, 16, block_size=16, generator=gen)
+    out = run(batch, torch.tensor([[XA, SSA]], dtype=torch.int8), 2, 5, block_m=32, block_n=16)
+    assert_close(out, ref(batch, torch.tensor([[FA, SSA]], dtype=torch.int8), 2, 5), "xa-as-fa")
+
+
+def test_prefill_no_host_sync():
+    gen = torch.Generator().manual_seed(1)
+    batch = make_paged_batch([30, 20], [30, 4], 4, 2, 16, block_size=16, generator=gen)
+    hm = torch.tensor([[FA, SSA], [SSA, FA]], dtype=torch.int8)
+    with no_host_sync():
+        out = prefill_attention(
+            batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc,
+            batch.seq_lens, hm, sink=2, window=6, block_m=32, block_n=16,
+        )  # fmt: skip
+    assert_close(out, ref(batch, hm, 2, 6), "no-sync")
+
+
+def test_prefill_launcher_errors_name_the_argument():
+    batch = make_paged_batch([20], [20], 4, 2, 16, block_size=16)
+    hm = torch.zeros(1, 2, dtype=torch.int8)
+    args = (batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens)
+    with pytest.raises(ValueError, match="head_modes"):
+        prefill_attention(*args, torch.zeros(1, 3, dtype=torch.int8), sink=1, window=2)
+    with pytest.raises(ValueError, match="head_modes"):
+        prefill_attention(*args, hm.float(), sink=1, window=2)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_attention(*args[:4], torch.zeros(3, dtype=torch.int32), args[5], hm, sink=1, window=2)
+    with pytest.raises(ValueError, match="value_cache"):
+        prefill_attention(args[0], args[1], args[2][..., :8], *args[3:], hm, sink=1, window=2)
+    with pytest.raises(ValueError, match="q: 5 query heads"):
+        prefill_attention(torch.zeros(20, 5, 16), *args[1:], hm, sink=1, window=2)
+    with pytest.raises(ValueError, match="key_cache: dtype"):
+        prefill_attention(args[0].half(), *args[1:], hm, sink=1, window=2)
+    with pytest.raises(ValueError, match="xa_block_idx"):
+        prefill_attention(*args, hm, sink=1, window=2, xa_block_cnt=torch.zeros(1, 2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="window"):
+        prefill_attention(*args, hm, sink=1, window=0)
+    with pytest.raises(ValueError, match="block_table"):
+        prefill_attention(*args[:3], args[3].float(), *args[4:], hm, sink=1, window=2)

@@ -1,0 +1,119 @@
+"""Router kernel (csrc/route.py) against ElasticRouter + pool_keys + invert_rope, under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from elastic_vllm.csrc.route import pack_router_weights, route, router_param_count
+from kutils import no_host_sync, strided_caches
+
+from elastic_vllm.reference.paged import make_paged_batch
+from elastic_vllm.reference.rope import RopeSpec
+from elastic_vllm.reference.route import route_logits_ref
+from elastic_vllm.router.model import ElasticRouter, num_parameters_per_layer
+
+LOGIT_ATOL = 2e-5  # fp32 throughout; only summation order differs
+
+
+def make_case(lens, hkv=4, d=32, rot=24, scaling=1.3, layers=3, pool=100, seed=0, bs=16):
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch(lens, lens, hkv, hkv, d, block_size=bs, generator=gen)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    spec = RopeSpec(inv, scaling, rot, d)
+    torch.manual_seed(seed)
+    router = ElasticRouter(layers, d)
+    rows = torch.arange(len(lens), dtype=torch.int32)
+    plens = torch.tensor(lens, dtype=torch.int32)
+    # centre the final bias on the median logit margin so decisions are mixed, not all one way
+    for layer in range(layers):
+        z = route_logits_ref(batch.key_cache, batch.block_table, rows, plens, router, layer, spec, pool_tokens=pool)
+        margin = (z[..., 1] - z[..., 0]).flatten()
+        router.layers[layer].cls_router_head_agnostic[4].bias.data[1] -= margin.median()
+    return batch, spec, router, rows, plens
+
+
+def check(batch, spec, router, rows, plens, layer, slots, table, pool=100, pooling="boundary", kc=None, **kw):
+    logits = torch.full((rows.shape[0], batch.key_cache.shape[2], 2), float("nan"))
+    before = table.clone()
+    route(
+        batch.key_cache if kc is None else kc, batch.block_table, rows, plens, slots, pack_router_weights(router),
+        layer, table, inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, pool_tokens=pool,
+        pooling=pooling, logits_out=logits, **kw,
+    )  # fmt: skip
+    want = route_logits_ref(batch.key_cache, batch.block_table, rows, plens, router, layer, spec, pooling, pool)
+    torch.testing.assert_close(logits, want, atol=LOGIT_ATOL, rtol=1e-5)
+    fa = want[..., 1] > want[..., 0]
+    sure = (want[..., 1] - want[..., 0]).abs() > 10 * LOGIT_ATOL
+    got = table[slots.long(), layer]
+    fa_v, sa_v = kw.get("fa_value", 0), kw.get("sa_value", 1)
+    expect = torch.where(fa, fa_v, sa_v).to(table.dtype)
+    assert torch.equal(got[sure], expect[sure])
+    assert fa.any() and (~fa).any(), "the case should mix FA and SA decisions"
+    untouched = torch.ones(table.shape[0], table.shape[1], dtype=torch.bool)
+    untouched[slots.long(), layer] = False
+    assert torch.equal(table[untouched], before[untouched])
+
+
+@pytest.mark.parametrize(
+    "fused,num_chunks",
+    [(False, None), (False, 1), (False, 2), (True, 1)],
+    ids=["phased-default", "phased-1", "phased-2", "fused-1"],
+)
+def test_route_matches_reference(fused, num_chunks):
+    lens = [1, 7, 199, 200, 201, 450]  # shorter than, equal to and longer than 2 * pool_tokens
+    batch, spec, router, rows, plens = make_case(lens)
+    table = torch.full((8, 3, 4), 9, dtype=torch.int8)
+    slots = torch.tensor([6, 0, 3, 1, 7, 2], dtype=torch.int32)
+    check(batch, spec, router, rows, plens, 1, slots, table, fused=fused, num_chunks=num_chunks)
+
+
+def test_route_whole_pooling_full_rotary_d64_strided_cache():
+    batch, spec, router, rows, plens = make_case([300, 33, 90], hkv=2, d=64, rot=64, scaling=1.0, layers=2, seed=3)
+    kc, _ = strided_caches(batch)
+    table = torch.zeros(3, 2, 2, dtype=torch.int32)
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32)
+    check(batch, spec, router, rows, plens, 0, slots, table, pooling="whole", kc=kc, fa_value=2, sa_value=1)
+
+
+def test_route_small_pool_and_row_subset():
+    batch, spec, router, _rows, plens = make_case([50, 9, 31, 64], pool=5, seed=5)
+    sub = torch.tensor([3, 1], dtype=torch.int32)  # route only some rows of the batch
+    table = torch.full((4, 3, 4), 9, dtype=torch.int8)
+    check(batch, spec, router, sub, plens[sub.long()], 2, torch.tensor([0, 2], dtype=torch.int32), table, pool=5)
+
+
+def test_packed_weights_layout():
+    router = ElasticRouter(2, 32)
+    w = pack_router_weights(router)
+    assert w.shape == (2, router_param_count(32, 128)) == (2, num_parameters_per_layer(32))
+    assert torch.equal(w[1, : 128 * 32], router.layers[1].cls_feat_extractor[0].weight.flatten())
+    assert torch.equal(w[0, -2:], router.layers[0].cls_router_head_agnostic[4].bias)
+
+
+def test_route_no_host_sync():
+    batch, spec, router, rows, plens = make_case([40, 250], seed=2)
+    w = pack_router_weights(router)
+    table = torch.zeros(2, 3, 4, dtype=torch.int8)
+    with no_host_sync():
+        route(batch.key_cache, batch.block_table, rows, plens, rows, w, 0, table, inv_freq=spec.inv_freq)
+
+
+def test_route_launcher_errors_name_the_argument():
+    batch, spec, router, rows, plens = make_case([20], layers=1)
+    w = pack_router_weights(router)
+    table = torch.zeros(1, 1, 4, dtype=torch.int8)
+    a = (batch.key_cache, batch.block_table, rows, plens, rows)
+    with pytest.raises(ValueError, match="weights"):
+        route(*a, w[:, :-1].contiguous(), 0, table, inv_freq=spec.inv_freq)
+    with pytest.raises(ValueError, match="layer"):
+        route(*a, w, 1, table, inv_freq=spec.inv_freq)
+    with pytest.raises(ValueError, match="table"):
+        route(*a, w, 0, torch.zeros(1, 1, 3, dtype=torch.int8), inv_freq=spec.inv_freq)
+    with pytest.raises(ValueError, match="inv_freq"):
+        route(*a, w, 0, table, inv_freq=torch.ones(40))
+    with pytest.raises(ValueError, match="prompt_lens"):
+        route(*a[:3], torch.ones(2, dtype=torch.int32), rows, w, 0, table, inv_freq=spec.inv_freq)
+    with pytest.raises(ValueError, match="pooling"):
+        route(*a, w, 0, table, inv_freq=spec.inv_freq, pooling="mean")
+    with pytest.raises(ValueError, match="fused"):
+        route(*a, w, 0, table, inv_freq=spec.inv_freq, fused=True, num_chunks=2)
