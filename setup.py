@@ -49,5 +49,6 @@ setup(
     },
     entry_points={
         "console_scripts": ["elastic-vllm = elastic_vllm.cli:main"],
+        "vllm.general_plugins": ["elastic = elastic_vllm.vllm_plugin.plugin:register"],
     },
 )

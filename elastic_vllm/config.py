@@ -17,9 +17,11 @@ Mode = Literal["FA-SSA", "FA-XA", "XA-SSA"]
 Pooling = Literal["boundary", "whole"]
 DecodeMode = Literal["dense", "sparse"]
 Force = Literal["auto", "all-FA", "all-SA"]
+ChunkRouting = Literal["prefix", "dense"]
 
 MODES: tuple[str, ...] = ("FA-SSA", "FA-XA", "XA-SSA")
 FORCES: tuple[str, ...] = ("auto", "all-FA", "all-SA")
+CHUNK_ROUTINGS: tuple[str, ...] = ("prefix", "dense")
 
 
 class HeadMode(IntEnum):
@@ -66,6 +68,11 @@ class ElasticConfig(BaseModel):
     decode_mode: DecodeMode = "dense"
     router_path: str | None = None
     force: Force = "auto"
+    # Chunked prefill (vLLM serving): every chunk before the one that completes the prompt runs with
+    # the routing of the prompt prefix processed so far ("prefix"), or with every head FA ("dense").
+    # The routing of the chunk that completes the prompt is final either way; without chunking
+    # both are exactly the paper's once-per-request routing.
+    chunk_routing: ChunkRouting = "prefix"
 
     @model_validator(mode="after")
     def _check(self) -> ElasticConfig:

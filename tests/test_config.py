@@ -53,3 +53,10 @@ def test_frozen():
     c = ElasticConfig()
     with pytest.raises(ValidationError, match="frozen"):
         c.window = 5
+
+
+def test_chunk_routing_field():
+    assert ElasticConfig().chunk_routing == "prefix"
+    assert ElasticConfig.parse({"chunk_routing": "dense"}).chunk_routing == "dense"
+    with pytest.raises(ConfigError, match=r"elastic\.chunk_routing"):
+        ElasticConfig.parse({"chunk_routing": "suffix"})

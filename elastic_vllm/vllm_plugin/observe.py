@@ -1,0 +1,122 @@
+"""Observability seam of the vLLM backend.
+
+:func:`on_routing_final` is called exactly once per request, in the worker process of each tensor-
+parallel rank, when the request's routing is final (the step whose prefill chunk completes the
+prompt; see ``state.py``). It keeps the event in a bounded in-process registry (tests read it) and
+hands it to the Prometheus metrics of ``elastic_vllm.telemetry``.
+
+:data:`COUNTERS` proves the elastic path ran: forward calls, rows routed, routings made final,
+re-routings after preemption and their mismatches. The step-level deltas are also published as the
+Prometheus counters ``elastic:attention_forward_calls_total`` and ``elastic:routed_rows_total``
+(visible on the API server's /metrics in prometheus_client multiprocess mode).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("elastic_vllm.vllm_plugin")
+
+REGISTRY_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class RoutingEvent:
+    """The final routing of one request on one TP rank (host tensors)."""
+
+    req_id: str
+    model_name: str
+    tp_rank: int
+    kv_heads: tuple[int, ...]  # global KV-head index of each column (tensor parallelism)
+    decisions: torch.Tensor  # bool [L, Hkv_local], True = FA (router index 1)
+    head_modes: torch.Tensor  # int8 [L, Hkv_local], HeadMode of prefill queries
+    logits: torch.Tensor  # float32 [L, Hkv_local, 2]; zeros where the router did not run (forced)
+    prompt_len: int
+    omega_msr: float
+    omega_esr: float
+    router_latency_s: float
+    override: str  # the request's own elastic_force ("auto" when absent)
+    force: str  # what it ran with: its override, or the server's force
+    pooled: torch.Tensor | None = None  # float32 [L, Hkv_local, D] when ELASTIC_VLLM_RECORD_POOLED=1
+
+
+@dataclass
+class Counters:
+    forward_calls: int = 0  # ElasticAttentionImpl.forward calls with metadata (one per layer and step)
+    routed_rows: int = 0  # (row, step) pairs the router ran for (final and prefix routings)
+    final_routings: int = 0  # requests whose routing became final (== on_routing_final calls)
+    rerouted: int = 0  # routings recomputed after preemption
+    reroute_mismatches: int = 0  # ... that differed from the first decision
+    invalid_overrides: int = 0  # unknown elastic_force values that reached the worker
+    _published: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def snapshot(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+COUNTERS = Counters()
+_events: deque[RoutingEvent] = deque(maxlen=REGISTRY_SIZE)
+_lock = threading.Lock()
+_prom: dict[str, object] = {}
+
+
+def on_routing_final(event: RoutingEvent) -> None:
+    """The seam: one call per request when its routing is final."""
+    with _lock:
+        _events.append(event)
+        COUNTERS.final_routings += 1
+    try:
+        from elastic_vllm.telemetry.metrics import RoutingRecord, record_routing
+
+        record_routing(
+            RoutingRecord(
+                req_id=event.req_id,
+                model_name=event.model_name,
+                decisions=event.decisions,
+                omega_msr=event.omega_msr,
+                omega_esr=event.omega_esr,
+                prompt_len=event.prompt_len,
+                router_latency_s=event.router_latency_s,
+                override=event.force,
+                tp_rank=event.tp_rank,
+            )
+        )
+    except Exception:  # metrics must never take the engine down
+        logger.exception("elastic-vllm: recording routing metrics failed")
+
+
+def events(req_id: str | None = None) -> list[RoutingEvent]:
+    with _lock:
+        return [e for e in _events if req_id is None or e.req_id == req_id]
+
+
+def clear() -> None:
+    with _lock:
+        _events.clear()
+
+
+def publish_counters() -> None:
+    """Push the counter deltas since the last call to Prometheus (once per step)."""
+    try:
+        from prometheus_client import Counter
+    except ImportError:  # pragma: no cover - a declared dependency
+        return
+    for name, doc in (
+        ("forward_calls", "Elastic attention forward calls (one per layer and step)."),
+        ("routed_rows", "Request rows the elastic router ran for (final and prefix-chunk routings)."),
+    ):
+        value = getattr(COUNTERS, name)
+        delta = value - COUNTERS._published.get(name, 0)
+        if delta <= 0:
+            continue
+        metric = _prom.get(name)
+        if metric is None:
+            metric_name = "elastic:attention_forward_calls" if name == "forward_calls" else f"elastic:{name}"
+            metric = _prom[name] = Counter(metric_name, doc)
+        metric.inc(delta)  # type: ignore[attr-defined]
+        COUNTERS._published[name] = value

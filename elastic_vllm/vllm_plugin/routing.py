@@ -1,0 +1,148 @@
+"""Routing inside the vLLM backend: boundary keys from the paged cache -> pre-RoPE -> router.
+
+The paged cache holds POST-RoPE keys (post k_norm for Qwen3); the router wants PRE-RoPE keys. The
+boundary keys of a request (first/last ``pool_tokens`` of the routed prefix, ``boundary_positions``)
+are gathered from the cache and rotated back with the model's own RoPE (``reference.rope``)::
+
+    key_cache [num_blocks, block_size, Hkv, D] --gather(block_table, positions)--> [N, Hkv, D]
+      --invert_rope--> pre-RoPE [N, Hkv, D] --segment mean per row--> pooled [R, Hkv, D]
+      --router layer l--> logits [R, Hkv, 2] --argmax, force--> FA? [R, Hkv] --> HeadMode [R, Hkv]
+
+Everything here is plain torch on the cache's device, built once per step (:func:`build_route_batch`)
+and reused by every layer (:func:`route_layer`): a few small kernels per layer, none per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elastic_vllm.config import ElasticConfig, HeadMode
+from elastic_vllm.reference.rope import RopeSpec, invert_rope
+from elastic_vllm.router.model import ElasticRouter, boundary_positions, decide
+
+FORCE_CODE = {"auto": 0, "all-FA": 1, "all-SA": 2}
+
+
+@dataclass(frozen=True)
+class RouteRow:
+    """One batch row routed at this step (host description)."""
+
+    row: int  # row index in the batch (query_start_loc order)
+    end: int  # the router pools over tokens [0, end): the prompt (final) or the prefix so far (chunk)
+    force: str  # "auto" | "all-FA" | "all-SA"
+    decode_phase: bool  # the row's queries lie past the prompt: decode_mode applies to its attention
+    final_slot: int | None  # routing-table slot when this routing is the request's final one
+
+
+@dataclass
+class RouteBatch:
+    """Device tensors of this step's routing rows (R rows, N pooled tokens)."""
+
+    rows: torch.Tensor  # [R] long: batch rows
+    force: torch.Tensor  # [R] int8: FORCE_CODE
+    decode_phase: torch.Tensor  # [R] bool
+    token_row: torch.Tensor  # [N] long: routing row of each pooled token
+    token_pos: torch.Tensor  # [N] long: position of each pooled token
+    token_slot: torch.Tensor  # [N] long: flat cache slot (block * block_size + offset)
+    inv_count: torch.Tensor  # [R, 1, 1] float32: 1 / pooled tokens of each row
+    final_idx: torch.Tensor  # [F] long: routing rows whose routing is final
+    final_slots: torch.Tensor  # [F] long: their routing-table slots
+    any_auto: bool  # some row needs the router (not every row forced)
+    host: list[RouteRow]
+
+
+def build_route_batch(
+    rows: list[RouteRow],
+    block_table: torch.Tensor,
+    block_size: int,
+    pooling: str,
+    pool_tokens: int,
+) -> RouteBatch:
+    """Gather indices of every routing row's pooled tokens, built on the block table's device."""
+    dev = block_table.device
+    pos_list, row_list = [], []
+    for i, r in enumerate(rows):
+        if pooling == "whole":
+            p = torch.arange(r.end)
+        else:
+            p = boundary_positions(r.end, pool_tokens)
+        pos_list.append(p)
+        row_list.append(torch.full((p.numel(),), i, dtype=torch.long))
+    pos = torch.cat(pos_list).to(dev, non_blocking=True)
+    token_row = torch.cat(row_list).to(dev, non_blocking=True)
+    counts = torch.tensor([float(p.numel()) for p in pos_list], dtype=torch.float32)
+    batch_rows = torch.tensor([r.row for r in rows], dtype=torch.long).to(dev, non_blocking=True)
+    blocks = block_table.index_select(0, batch_rows)[token_row, pos // block_size].long()  # [N]
+    final = [(i, r.final_slot) for i, r in enumerate(rows) if r.final_slot is not None]
+    return RouteBatch(
+        rows=batch_rows,
+        force=torch.tensor([FORCE_CODE[r.force] for r in rows], dtype=torch.int8).to(dev, non_blocking=True),
+        decode_phase=torch.tensor([r.decode_phase for r in rows], dtype=torch.bool).to(dev, non_blocking=True),
+        token_row=token_row,
+        token_pos=pos,
+        token_slot=blocks * block_size + pos % block_size,
+        inv_count=(1.0 / counts).view(-1, 1, 1).to(dev, non_blocking=True),
+        final_idx=torch.tensor([i for i, _ in final], dtype=torch.long).to(dev, non_blocking=True),
+        final_slots=torch.tensor([s for _, s in final], dtype=torch.long).to(dev, non_blocking=True),
+        any_auto=any(r.force == "auto" for r in rows),
+        host=rows,
+    )
+
+
+def pooled_prerope_keys(key_cache: torch.Tensor, rb: RouteBatch, rope: RopeSpec) -> torch.Tensor:
+    """Pooled pre-RoPE keys [R, Hkv, D] (float32) of the routing rows, read from the paged cache."""
+    k = key_cache.flatten(0, 1).index_select(0, rb.token_slot)  # [N, Hkv, D], post-RoPE
+    k = invert_rope(k, rb.token_pos, rope)  # float32
+    R = rb.rows.numel()
+    pooled = torch.zeros(R, k.shape[1], k.shape[2], dtype=torch.float32, device=k.device)
+    pooled.index_add_(0, rb.token_row, k)
+    return pooled * rb.inv_count
+
+
+def decisions_to_modes(fa: torch.Tensor, cfg: ElasticConfig) -> torch.Tensor:
+    """bool FA? -> HeadMode (int8): FA -> cfg.fa_mode, SA -> cfg.sa_mode."""
+    fa_mode = torch.tensor(int(cfg.fa_mode), dtype=torch.int8, device=fa.device)
+    sa_mode = torch.tensor(int(cfg.sa_mode), dtype=torch.int8, device=fa.device)
+    return torch.where(fa, fa_mode, sa_mode)
+
+
+def decode_modes(modes: torch.Tensor, decode_mode: str) -> torch.Tensor:
+    """Head modes of decode-phase queries: ``dense`` -> every head FA (the paper); ``sparse`` -> SSA
+    heads keep their sink + window, XA (block-sparse prefill) heads attend densely."""
+    if decode_mode == "dense":
+        return torch.zeros_like(modes)
+    return torch.where(modes == HeadMode.SSA, modes, torch.zeros_like(modes))
+
+
+def route_layer(
+    layer: int,
+    key_cache: torch.Tensor,
+    rb: RouteBatch,
+    router: ElasticRouter | None,
+    rope: RopeSpec,
+    cfg: ElasticConfig,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Route the rows of ``rb`` at ``layer``.
+
+    Returns (logits [R, Hkv, 2] float32 (zeros where no router ran), FA? [R, Hkv] bool,
+    prefill head modes [R, Hkv] int8, pooled [R, Hkv, D] or None when every row is forced).
+    """
+    R = rb.rows.numel()
+    dev = key_cache.device
+    pooled = None
+    if rb.any_auto:
+        if router is None:
+            raise RuntimeError("elastic: a request needs the router but none is loaded")
+        pooled = pooled_prerope_keys(key_cache, rb, rope)
+        with torch.no_grad():
+            logits = router(layer, pooled)
+        fa = decide(logits)
+    else:
+        logits = torch.zeros(R, num_kv_heads, 2, dtype=torch.float32, device=dev)
+        fa = torch.zeros(R, num_kv_heads, dtype=torch.bool, device=dev)
+    force = rb.force.view(-1, 1)
+    fa = torch.where(force == FORCE_CODE["all-FA"], True, torch.where(force == FORCE_CODE["all-SA"], False, fa))
+    return logits, fa, decisions_to_modes(fa, cfg), pooled

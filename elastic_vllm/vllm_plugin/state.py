@@ -1,0 +1,562 @@
+"""Per-engine state of the elastic backend: configuration, router, routing table, request lifecycle.
+
+One :class:`EngineState` per vLLM engine (per worker process and VllmConfig). It is created by the
+first ``ElasticAttentionImpl`` (model construction: configuration and router are checked before any
+weight loads), gets its device buffers from the metadata builder, and follows requests through the
+model-runner hooks of ``compat.install_runner_hooks``.
+
+Per-request state (both model runners)::
+
+    routing table (device)   table_modes  [S, L, Hkv] int8   HeadMode of prefill queries (final routing)
+                             table_fa     [S, L, Hkv] bool   router decision, True = FA
+                             table_logits [S, L, Hkv, 2]     router logits
+    per step (device)        row_modes    [L, B, Hkv] int32  what every layer's kernel reads
+    host                     requests: req_id -> RequestState (prompt length, override, slot, final?)
+
+    slot   V2 runner with CommonAttentionMetadata.req_idx (0.32+): vLLM's own request slot;
+           otherwise (V1 runner, 0.26's V2): our slot allocator, slot freed when the request ends.
+           Slot S-1 is reserved and stays all-FA (dummy and padding rows read it).
+    rows   the request id of each batch row, recorded by the runner hook in row order each step.
+
+Lifecycle, from each step's SchedulerOutput: a new request gets a state (prompt length, override);
+``finished_req_ids`` (done or aborted) frees it; a preempted / resumed request keeps its state but its
+routing is recomputed when it reaches the end of its prompt again (and compared with the first one).
+
+When a row is routed (its request has no final routing yet):
+
+- the step reaches the end of the prompt (``seq_len >= prompt_len``), whatever its q_len (a chunk, a
+  whole prompt, or the 1-token "prefill" of a full prefix-cache hit): FINAL routing over the prompt's
+  boundary keys, written to the table, recorded once (``observe.on_routing_final``), reused for every
+  later step of the request;
+- a chunk that ends before the prompt does (chunked prefill): ``chunk_routing="prefix"`` routes it
+  over the boundary of the prefix processed so far (tokens [0, end of this chunk)), for this chunk
+  only; ``"dense"`` runs it with every head FA. Requests forced to all-FA / all-SA use their force.
+
+The boundary keys are always read from the paged cache, so prefix-cache hits (first chunk starting
+past token 0) take the same path. Rows whose queries lie past the prompt (decode, or tokens
+recomputed after preemption) use ``decode_mode``: dense -> every head FA, sparse -> SSA heads keep
+sink + window (XA heads dense).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_vllm.config import ConfigError, ElasticConfig, HeadMode
+from elastic_vllm.reference.rope import RopeSpec
+from elastic_vllm.router.checkpoint import BackboneShape, RouterCheckpointError, load_router, read_meta
+from elastic_vllm.sparsity import omega_esr, omega_msr
+from elastic_vllm.vllm_plugin import compat, observe
+from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
+from elastic_vllm.vllm_plugin.overrides import effective_force, request_override
+from elastic_vllm.vllm_plugin.routing import RouteBatch, RouteRow, build_route_batch, decode_modes, route_layer
+
+logger = logging.getLogger("elastic_vllm.vllm_plugin")
+
+# Pre-RoPE key recovery inverts NeoX-style (rotate-half) RoPE, which these architectures use.
+NEOX_ROPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite")
+ROUTER_DIR_ENV = "ELASTIC_VLLM_ROUTER_WEIGHTS"
+RECORD_POOLED_ENV = "ELASTIC_VLLM_RECORD_POOLED"
+
+
+def global_kv_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> list[int]:
+    """Global index of each KV head this rank holds (vLLM's QKVParallelLinear sharding):
+    local head j -> shard_rank * num_local + j, shard_rank = tp_rank // replicas; when
+    tp_size > total_kv_heads every head is replicated on tp_size // total_kv_heads ranks."""
+    replicas = max(1, tp_size // total_kv_heads)
+    num_local = max(1, total_kv_heads // tp_size)
+    shard = tp_rank // replicas
+    return [shard * num_local + j for j in range(num_local)]
+
+
+def router_search_dirs() -> list[Path]:
+    """Where shipped routers are looked for: $ELASTIC_VLLM_ROUTER_WEIGHTS, the repository's
+    router_weights/ (editable install), ./router_weights."""
+    dirs = []
+    if os.environ.get(ROUTER_DIR_ENV):
+        dirs.append(Path(os.environ[ROUTER_DIR_ENV]))
+    dirs.append(Path(__file__).resolve().parents[2] / "router_weights")
+    dirs.append(Path.cwd() / "router_weights")
+    seen, out = set(), []
+    for d in dirs:
+        if d.resolve() not in seen:
+            seen.add(d.resolve())
+            out.append(d)
+    return out
+
+
+def find_shipped_router(shape: BackboneShape, model_name: str) -> Path | None:
+    """The shipped router folder whose router.json backbone matches ``shape``; None when there is none.
+    Several matches are disambiguated by the backbone id naming the model, else an error lists them."""
+    found: list[tuple[Path, str]] = []
+    for root in router_search_dirs():
+        if not root.is_dir():
+            continue
+        for meta_file in sorted(root.glob("*/router.json")):
+            try:
+                meta = read_meta(meta_file.parent)
+            except RouterCheckpointError as e:
+                logger.warning("elastic: skipping %s: %s", meta_file.parent, e)
+                continue
+            if meta.shape == shape:
+                found.append((meta_file.parent, meta.backbone.id))
+    if len(found) <= 1:
+        return found[0][0] if found else None
+    base = Path(model_name).name.lower()
+    named = [p for p, bid in found if bid.split("/")[-1].lower() == base]
+    if len(named) == 1:
+        return named[0]
+    raise ConfigError(
+        f"elastic: several shipped routers match {model_name} ({shape.describe()}): "
+        + ", ".join(str(p) for p, _ in found)
+        + '; choose one with --additional-config \'{"elastic": {"router_path": "..."}}\''
+    )
+
+
+def parse_additional_config(vllm_config) -> tuple[ElasticConfig, str | None]:
+    """ElasticConfig from ``--additional-config '{"elastic": {...}}'`` (errors name the field), and
+    the optional ``elastic_ops`` ("auto" | "torch" | "triton")."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"invalid elastic config: additional_config must be a JSON object, got {extra!r}")
+    return ElasticConfig.parse(extra.get("elastic")), extra.get("elastic_ops")
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    prompt_len: int
+    override: str  # the request's own elastic_force
+    force: str  # effective: override, or the server's force when override is auto
+    slot: int | None = None  # our allocator's slot (None with vLLM's req_idx)
+    table_slot: int | None = None  # where its final routing sits in the table
+    final: bool = False
+    recorded: bool = False
+    pending: bool = False  # final this step: record at step end
+    router_time: float = 0.0
+    first_decisions: torch.Tensor | None = None
+    xa_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, head) -> [nb, nb]
+
+
+class _Timer:
+    """Router time per step: host clock on CPU, CUDA events on GPU (read when the step is flushed)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = 0.0
+        self.events: list[tuple[Any, Any]] = []
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, t0) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append((t0, e))
+        else:
+            self.host += time.perf_counter() - t0
+
+    def total_s(self) -> float:
+        if self.cuda and self.events:
+            torch.cuda.synchronize()
+            self.host += sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+            self.events.clear()
+        return self.host
+
+
+@dataclass
+class StepPlan:
+    """What build() decided for this step (host side)."""
+
+    route: RouteBatch | None
+    rows: list[RequestState | None]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+
+
+class EngineState(compat.RunnerObserver):
+    def __init__(self, vllm_config) -> None:
+        self._config_ref = weakref.ref(vllm_config)
+        self.cfg, ops_requested = parse_additional_config(vllm_config)
+        mc = vllm_config.model_config
+        self.model_name = compat.served_model_name(vllm_config)
+        hf = mc.hf_config
+        text = getattr(hf, "text_config", None) or hf
+        model_type = getattr(text, "model_type", "unknown")
+        if model_type not in NEOX_ROPE_MODEL_TYPES:
+            raise ConfigError(
+                f"elastic: model_type {model_type!r} is not supported: pre-RoPE key recovery is implemented for "
+                f"NeoX-style RoPE models ({', '.join(NEOX_ROPE_MODEL_TYPES)})"
+            )
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            raise ConfigError("elastic: speculative decoding is not supported by the elastic attention backend")
+        self.shape = BackboneShape.from_hf_config(hf)
+        self.rope = RopeSpec.from_hf_config(hf)
+        self.num_layers = self.shape.num_layers
+        self.tp_rank, self.tp_size = compat.tp_rank_and_size()
+        self.num_kv_heads = mc.get_num_kv_heads(vllm_config.parallel_config)
+        self.kv_heads = tuple(global_kv_heads(self.tp_rank, self.tp_size, self.shape.num_kv_heads))
+        if len(self.kv_heads) != self.num_kv_heads:
+            raise RuntimeError(f"elastic: rank holds {self.num_kv_heads} KV heads, expected {len(self.kv_heads)}")
+        self.device = torch.device(vllm_config.device_config.device)
+        self.ops = resolve_ops(ops_requested, self.device)
+        if self.ops == "triton" and self.cfg.uses_xattn:
+            raise ConfigError(
+                f"elastic: mode {self.cfg.mode} needs XAttention selection, which the Triton path does not run "
+                "yet; use mode FA-SSA or ops=torch"
+            )
+        self.router = None
+        self.router_path = None
+        self._load_router()
+        self.params = AttnParams(
+            scale=0.0,  # set per layer by the impl
+            sink=self.cfg.sink,
+            window=self.cfg.window,
+            xattn_stride=self.cfg.xattn_stride,
+            xattn_block=self.cfg.xattn_block,
+            xattn_threshold=self.cfg.xattn_threshold,
+        )
+        self.record_pooled = os.environ.get(RECORD_POOLED_ENV, "0") not in ("", "0")
+        self.use_v2_runner = compat.uses_v2_model_runner(vllm_config)
+        self.requests: dict[str, RequestState] = {}
+        self.rows: list[str | None] | None = None
+        self.step_tokens: dict[str, int] = {}
+        self.step_computed: dict[str, int] = {}
+        self.in_step = False
+        self.plan: StepPlan | None = None
+        self.attached = False
+        logger.info(
+            "elastic attention: %s, router %s, ops=%s, tp %d/%d (KV heads %s)",
+            self.cfg.model_dump(exclude={"router_path"}),
+            self.router_path or f"none (force {self.cfg.force})",
+            self.ops,
+            self.tp_rank,
+            self.tp_size,
+            list(self.kv_heads),
+        )
+
+    # --- setup ------------------------------------------------------------------------------
+    def _load_router(self) -> None:
+        path = self.cfg.router_path
+        if path is None and self.cfg.force == "auto":
+            path = find_shipped_router(self.shape, self.model_name)
+            if path is None:
+                raise ConfigError(
+                    f"elastic: no router for {self.model_name} ({self.shape.describe()}): none of the shipped routers "
+                    f"in {', '.join(str(d) for d in router_search_dirs())} matches. Pass one with "
+                    '--additional-config \'{"elastic": {"router_path": "/path/to/router"}}\' or run without a router '
+                    'with {"elastic": {"force": "all-FA"}} (dense) or {"force": "all-SA"}'
+                )
+        if path is None:
+            return
+        ck = load_router(path, expect=self.shape, model_name=self.model_name, device=self.device)
+        self.router = ck.router
+        self.router_path = str(ck.path)
+
+    def attach(self, device: torch.device, max_rows: int, max_slots: int, block_size: int) -> None:
+        """Allocate the device buffers (called by the metadata builder, once per engine)."""
+        if self.attached:
+            if block_size != self.block_size:
+                raise RuntimeError("elastic: layers with different KV block sizes are not supported")
+            return
+        self.device = device
+        self.block_size = block_size
+        if self.router is not None:
+            self.router.to(device)
+        L, H = self.num_layers, self.num_kv_heads
+        self.num_slots = max_slots + 1  # slot S-1: reserved, all FA
+        self.dense_slot = self.num_slots - 1
+        self.max_rows = max_rows
+        self.table_modes = torch.zeros(self.num_slots, L, H, dtype=torch.int8, device=device)
+        self.table_fa = torch.zeros(self.num_slots, L, H, dtype=torch.bool, device=device)
+        self.table_logits = torch.zeros(self.num_slots, L, H, 2, dtype=torch.float32, device=device)
+        self.table_pooled = (
+            torch.zeros(self.num_slots, L, H, self.shape.head_dim, dtype=torch.float32, device=device)
+            if self.record_pooled
+            else None
+        )
+        self.row_modes = torch.zeros(L, max_rows, H, dtype=torch.int32, device=device)
+        self.free_slots = list(range(self.num_slots - 2, -1, -1))
+        self.timer = _Timer(device)
+        self.attached = True
+
+    # --- request lifecycle (RunnerObserver) -----------------------------------------------------
+    def on_step_begin(self, so) -> None:
+        self.in_step = True
+        self.plan = None
+        self.rows = None
+        if self.attached:
+            self.timer = _Timer(self.device)
+        for rid in so.finished_req_ids:  # finished or aborted: free
+            self._free(rid)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            self._readmit(rid)
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id in self.requests:  # V2 re-adds preempted requests as new ones
+                self._readmit(nr.req_id)
+            else:
+                self._add(nr)
+            self.step_computed[nr.req_id] = nr.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for rid in getattr(cached, "resumed_req_ids", None) or ():
+            self._readmit(rid)
+        for rid, n in zip(cached.req_ids, cached.num_computed_tokens):
+            self.step_computed[rid] = n
+        self.step_tokens = dict(so.num_scheduled_tokens)
+
+    def on_rows(self, req_ids: list[str | None]) -> None:
+        self.rows = req_ids
+
+    def on_step_end(self) -> None:
+        try:
+            self.flush()
+            observe.publish_counters()
+        finally:
+            self.in_step = False
+            self.rows = None
+            self.plan = None
+            self.step_tokens = {}
+            self.step_computed = {}
+
+    def needs_eager_attention(self) -> bool:
+        """A row of this step may be routed: attention (which routes) must run eagerly, not in a
+        FULL CUDA graph (e.g. a chunk of one token, or the last prompt token of a full prefix hit)."""
+        return any(rid in self.requests and not self.requests[rid].final for rid in self.step_tokens)
+
+    def _add(self, nr) -> None:
+        if nr.prompt_token_ids is not None:
+            prompt_len = len(nr.prompt_token_ids)
+        elif getattr(nr, "prompt_embeds", None) is not None:
+            prompt_len = int(nr.prompt_embeds.shape[0])
+        else:
+            raise RuntimeError(f"elastic: request {nr.req_id} has neither prompt token ids nor embeddings")
+        extra = getattr(nr.sampling_params, "extra_args", None) if nr.sampling_params is not None else None
+        try:
+            override = request_override(extra)
+        except ValueError as e:  # admission validates this; never take the engine down for it
+            logger.error("elastic: request %s: %s; using the server default", nr.req_id, e)
+            observe.COUNTERS.invalid_overrides += 1
+            override = "auto"
+        self.requests[nr.req_id] = RequestState(
+            req_id=nr.req_id,
+            prompt_len=prompt_len,
+            override=override,
+            force=effective_force(override, self.cfg.force),
+        )
+
+    def _readmit(self, rid: str) -> None:
+        st = self.requests.get(rid)
+        if st is not None and st.final:
+            st.final = False
+            st.xa_rows.clear()
+
+    def _free(self, rid: str) -> None:
+        st = self.requests.pop(rid, None)
+        if st is not None and st.slot is not None:
+            self.free_slots.append(st.slot)
+
+    def live_request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    # --- per step (builder) ----------------------------------------------------------------------
+    def plan_step(self, common) -> StepPlan:
+        """Decide every row's modes for this step; fill ``row_modes`` for rows with a final routing."""
+        B = int(common.num_reqs)
+        if B > self.max_rows:
+            raise RuntimeError(f"elastic: batch of {B} rows exceeds the {self.max_rows} rows the backend sized for")
+        qsl = common.query_start_loc_cpu[: B + 1].tolist()
+        rows = self.rows if (self.in_step and self.rows is not None) else []
+        req_idx = getattr(common, "req_idx", None)
+        states: list[RequestState | None] = []
+        slot_of_row = [self.dense_slot] * B
+        decode_row = [False] * B
+        route_rows: list[RouteRow] = []
+        for b in range(B):
+            q_len = qsl[b + 1] - qsl[b]
+            st = self.requests.get(rows[b]) if b < len(rows) and rows[b] is not None else None
+            if st is None or q_len == 0:
+                states.append(None)
+                continue
+            seq_len = self.step_computed[st.req_id] + self.step_tokens[st.req_id]
+            if self.step_tokens[st.req_id] != q_len:
+                raise RuntimeError(
+                    f"elastic: row {b} ({st.req_id}) has {q_len} queries but the scheduler gave it "
+                    f"{self.step_tokens[st.req_id]} tokens"
+                )
+            states.append(st)
+            start = seq_len - q_len
+            decode_phase = start >= st.prompt_len
+            slot = int(req_idx[b]) if req_idx is not None else self._slot(st)
+            if st.final:
+                slot_of_row[b] = st.table_slot
+                decode_row[b] = decode_phase
+            elif seq_len >= st.prompt_len:
+                route_rows.append(RouteRow(b, st.prompt_len, st.force, decode_phase, slot))
+                st.table_slot = slot
+                st.final = True
+                st.pending = True
+            elif st.force != "auto" or self.cfg.chunk_routing == "prefix":
+                route_rows.append(RouteRow(b, seq_len, st.force, False, None))
+        # rows with a final routing (and dummy rows: the reserved all-FA slot) from the table
+        idx = torch.tensor(slot_of_row, dtype=torch.long).to(self.device, non_blocking=True)
+        modes = self.table_modes.index_select(0, idx)  # [B, L, H]
+        if any(decode_row):
+            dec = torch.tensor(decode_row, dtype=torch.bool).to(self.device, non_blocking=True)
+            modes = torch.where(dec[:, None, None], decode_modes(modes, self.cfg.decode_mode), modes)
+        self.row_modes[:, :B].copy_(modes.transpose(0, 1))
+        route = None
+        if route_rows:
+            route = build_route_batch(
+                route_rows, common.block_table_tensor, self.block_size, self.cfg.pooling, self.cfg.pool_tokens
+            )
+            observe.COUNTERS.routed_rows += len(route_rows)
+        self.plan = StepPlan(route=route, rows=states, query_start_loc=qsl, seq_lens=self._host_seq_lens(common, B))
+        return self.plan
+
+    @staticmethod
+    def _host_seq_lens(common, B: int) -> list[int]:
+        """Host seq_lens for the torch path: free on CPU; the exact-for-prefill upper bound elsewhere."""
+        if common.seq_lens.device.type == "cpu":
+            return common.seq_lens[:B].tolist()
+        ub = getattr(common, "seq_lens_cpu_upper_bound", None)
+        return ub[:B].tolist() if ub is not None else common.seq_lens[:B].tolist()
+
+    def _slot(self, st: RequestState) -> int:
+        if st.slot is None:
+            if not self.free_slots:
+                raise RuntimeError(f"elastic: no free routing slot for {st.req_id} ({self.num_slots - 1} slots)")
+            st.slot = self.free_slots.pop()
+        return st.slot
+
+    # --- per layer (impl.forward) ----------------------------------------------------------------
+    def route(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch) -> None:
+        t0 = self.timer.start()
+        logits, fa, modes, pooled = route_layer(
+            layer, key_cache, rb, self.router, self.rope, self.cfg, self.num_kv_heads
+        )
+        row_modes = torch.where(rb.decode_phase[:, None], decode_modes(modes, self.cfg.decode_mode), modes)
+        self.row_modes[layer].index_copy_(0, rb.rows, row_modes.to(self.row_modes.dtype))
+        if rb.final_idx.numel():
+            f = rb.final_idx
+            self.table_modes[rb.final_slots, layer] = modes.index_select(0, f)
+            self.table_fa[rb.final_slots, layer] = fa.index_select(0, f)
+            self.table_logits[rb.final_slots, layer] = logits.index_select(0, f)
+            if self.table_pooled is not None and pooled is not None:
+                self.table_pooled[rb.final_slots, layer] = pooled.index_select(0, f)
+        self.timer.stop(t0)
+
+    def on_xa_mask(self, layer: int, row: int, head: int, q_start: int, q_end: int, mask: torch.Tensor) -> None:
+        """XA selections of prompt queries (torch path), kept for Omega_ESR of the final routing.
+        mask: bool [nb, nb] over absolute blocks of the row's sequence; rows of this step's queries."""
+        st = self.plan.rows[row] if self.plan is not None and row < len(self.plan.rows) else None
+        if st is None or q_start >= st.prompt_len:
+            return
+        blk = self.cfg.xattn_block
+        nb = (st.prompt_len + blk - 1) // blk
+        sel = st.xa_rows.setdefault((layer, head), torch.zeros(nb, nb, dtype=torch.bool))
+        a, b = q_start // blk, (min(q_end, st.prompt_len) - 1) // blk
+        c = min(mask.shape[1], nb)
+        sel[a : b + 1, :c] |= mask[a : b + 1, :c].to("cpu", torch.bool)
+
+    # --- recording ------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Record the requests whose routing became final in this step (once per request)."""
+        pending = [st for st in list(self.requests.values()) if st.pending]
+        if not pending:
+            return
+        latency = self.timer.total_s()  # this step's router time (shared by the rows routed in it)
+        slots = torch.tensor([st.table_slot for st in pending], dtype=torch.long, device=self.device)
+        fa = self.table_fa.index_select(0, slots).cpu()
+        modes = self.table_modes.index_select(0, slots).cpu()
+        logits = self.table_logits.index_select(0, slots).cpu()
+        pooled = self.table_pooled.index_select(0, slots).cpu() if self.table_pooled is not None else None
+        for i, st in enumerate(pending):
+            st.pending = False
+            st.router_time = latency
+            if st.recorded:  # re-routed after preemption: same keys, same decision expected
+                observe.COUNTERS.rerouted += 1
+                if not torch.equal(fa[i], st.first_decisions):
+                    observe.COUNTERS.reroute_mismatches += 1
+                    logger.warning(
+                        "elastic: request %s re-routed after preemption with a different decision", st.req_id
+                    )
+                continue
+            st.recorded = True
+            st.first_decisions = fa[i]
+            event = observe.RoutingEvent(
+                req_id=st.req_id,
+                model_name=self.model_name,
+                tp_rank=self.tp_rank,
+                kv_heads=self.kv_heads,
+                decisions=fa[i],
+                head_modes=modes[i],
+                logits=logits[i],
+                prompt_len=st.prompt_len,
+                omega_msr=omega_msr(fa[i]),
+                omega_esr=self._esr(st, modes[i]),
+                router_latency_s=latency,
+                override=st.override,
+                force=st.force,
+                pooled=pooled[i] if pooled is not None else None,
+            )
+            st.xa_rows.clear()
+            observe.on_routing_final(event)
+
+    def _esr(self, st: RequestState, modes: torch.Tensor) -> float:
+        """Omega_ESR of the final head modes at the prompt length (``elastic_vllm.sparsity``). XA heads
+        use the blocks their prefill selected; query blocks this request did not select in XA mode
+        (earlier chunks in another mode, prefix-cache hits) count as dense."""
+        masks = None
+        if (modes == HeadMode.XA).any():
+            blk = self.cfg.xattn_block
+            nb = (st.prompt_len + blk - 1) // blk
+            dense = torch.ones(nb, nb, dtype=torch.bool).tril()
+            masks = {}
+            for layer, h in (modes == HeadMode.XA).nonzero().tolist():
+                sel = st.xa_rows.get((layer, h))
+                if sel is None:
+                    masks[(layer, h)] = dense
+                else:
+                    rows_sel = sel.any(dim=1, keepdim=True)
+                    masks[(layer, h)] = torch.where(rows_sel, sel, dense)
+        return omega_esr(modes, st.prompt_len, self.cfg, masks)
+
+
+# --- registry: one state per engine --------------------------------------------------------------
+_STATES: dict[int, EngineState] = {}
+
+
+def for_config(vllm_config, create: bool = True) -> EngineState | None:
+    """The EngineState of ``vllm_config`` (created on first use when ``create``)."""
+    st = _STATES.get(id(vllm_config))
+    if st is not None and st._config_ref() is vllm_config:
+        return st
+    if not create:
+        return None
+    st = EngineState(vllm_config)
+    _STATES[id(vllm_config)] = st
+    for key in [k for k, s in _STATES.items() if s._config_ref() is None]:
+        del _STATES[key]
+    return st
+
+
+def for_runner(runner) -> EngineState | None:
+    cfg = getattr(runner, "vllm_config", None)
+    return for_config(cfg, create=False) if cfg is not None else None
+
+
+def live_states() -> list[EngineState]:
+    return [s for s in _STATES.values() if s._config_ref() is not None]

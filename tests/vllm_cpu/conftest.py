@@ -1,0 +1,105 @@
+"""Fixtures of the vLLM tests: real vLLM CPU engines in this process, routers with known decisions.
+
+Engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set before vLLM is imported) so tests read
+the backend's counters and routing registry directly. float32 everywhere: bf16 matmuls are ~4x slower
+on this CPU and float32 makes the comparison with transformers tight.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from .routers import (
+    SMOLLM2_RETRIEVAL_HEADS,
+    head_selecting_rules,
+    linear_router,
+    save_test_router,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_SMOLLM2_ROUTER = REPO / "router_weights" / "smollm2-135m-instruct"
+KV_BYTES = 256 << 20
+
+
+def pytest_collection_modifyitems(config, items):
+    if not any(e.name == "elastic" for e in entry_points(group="vllm.general_plugins")):
+        raise pytest.UsageError(
+            "the elastic vLLM plugin entry point is not installed (or a stale elastic_vllm.egg-info shadows it): "
+            "run `pip install -e .` in the repository"
+        )
+
+
+@pytest.fixture(scope="session")
+def hf_ref(demo_model_dir):
+    """transformers SmolLM2 (float32) with pre-RoPE key hooks."""
+    from .hf_ref import HFReference
+
+    return HFReference(demo_model_dir)
+
+
+def calibration_prompts(tok) -> list[list[int]]:
+    from elastic_vllm.eval.needle import make_needle_prompt
+
+    chats = [
+        "What is the capital of France?",
+        "Write a poem about the sea.",
+        "Summarize: The quick brown fox jumps over the lazy dog. " * 20,
+    ]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+        for c in chats
+    ]
+    texts += [make_needle_prompt(tok, 600, seed=s).text(tok) for s in range(3)]
+    return [tok(t).input_ids for t in texts]
+
+
+@pytest.fixture(scope="session")
+def smollm2_pooled(hf_ref):
+    """Pooled pre-RoPE keys [N prompts, L, Hkv, D] of calibration prompts (transformers)."""
+    return torch.stack([hf_ref.pooled(ids) for ids in calibration_prompts(hf_ref.tok)])
+
+
+@pytest.fixture(scope="session")
+def trained_router(tmp_path_factory, smollm2_pooled) -> Path:
+    """The SmolLM2 router the needle tests use. Until the lead commits the trained router to
+    router_weights/smollm2-135m-instruct/, a router constructed to keep the 10 best retrieval heads
+    of MODELS_AND_DATA.md FA (and every other head SA)."""
+    if (SHIPPED_SMOLLM2_ROUTER / "router.json").is_file():
+        return SHIPPED_SMOLLM2_ROUTER
+    r = linear_router(30, 64, head_selecting_rules(smollm2_pooled, SMOLLM2_RETRIEVAL_HEADS))
+    return save_test_router(
+        r, tmp_path_factory.mktemp("router") / "retrieval", 3, "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+
+
+def make_llm(model, **kw):
+    from vllm import LLM
+
+    args = dict(enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, dtype="float32", max_model_len=4096, seed=0)
+    args.update(kw)
+    return LLM(str(model), **args)
+
+
+def close_llm(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+def elastic_states():
+    from elastic_vllm.vllm_plugin import state
+
+    return state.live_states()

@@ -1,0 +1,372 @@
+"""Unit tests of the backend's pieces, without an engine: attention ops against the reference, the
+pre-RoPE key recovery against vLLM's own RoPE, per-request planning as both model runners build
+metadata (V2 passes req_idx, V1 does not), TP head mapping, overrides, registration."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from elastic_vllm.config import ConfigError, HeadMode
+from elastic_vllm.reference.attention import hybrid_attention_ref
+from elastic_vllm.reference.paged import make_paged_batch
+from elastic_vllm.reference.rope import RopeSpec, apply_rope
+from elastic_vllm.reference.xattn import xattn_block_mask_ref
+from elastic_vllm.router.checkpoint import RouterCheckpointError
+from elastic_vllm.router.model import ElasticRouter, decide, pool_keys
+from elastic_vllm.vllm_plugin import observe
+from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops, torch_attention
+from elastic_vllm.vllm_plugin.overrides import effective_force, request_override
+from elastic_vllm.vllm_plugin.routing import decode_modes
+from elastic_vllm.vllm_plugin.state import EngineState, global_kv_heads
+
+from .routers import linear_router, prompt_splitting_rule, save_test_router
+
+FA, SSA, XA = int(HeadMode.FA), int(HeadMode.SSA), int(HeadMode.XA)
+
+SCENARIOS = {
+    "pure_prefill": ([37, 113], [37, 113]),
+    "chunked_prefill": ([70, 190], [20, 77]),
+    "pure_decode": ([5, 64, 129], [1, 1, 1]),
+    "mixed": ([100, 17, 60, 1], [1, 17, 12, 1]),
+}
+
+
+def _strided(cache_k: torch.Tensor, cache_v: torch.Tensor):
+    """The views vLLM hands the backend: K and V halves of one [nb, bs, H, 2D] tensor."""
+    D = cache_k.shape[-1]
+    both = torch.cat([cache_k, cache_v], dim=-1)
+    return both[..., :D], both[..., D:]
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("modes_kind", ["fa", "ssa", "mixed", "xa"])
+def test_torch_attention_matches_reference(scenario, modes_kind):
+    seq_lens, q_lens = SCENARIOS[scenario]
+    g = torch.Generator().manual_seed(1)
+    batch = make_paged_batch(seq_lens, q_lens, 8, 2, 64, block_size=16, generator=g)
+    B = len(seq_lens)
+    choices = {"fa": [FA], "ssa": [SSA], "mixed": [FA, SSA], "xa": [FA, SSA, XA]}[modes_kind]
+    modes = torch.tensor(choices * 4, dtype=torch.int32)[torch.randperm(len(choices) * 4, generator=g)][: 2 * B]
+    modes = modes.view(B, 2) if modes.numel() == 2 * B else torch.full((B, 2), choices[-1], dtype=torch.int32)
+    p = AttnParams(scale=0.125, sink=4, window=24, xattn_stride=4, xattn_block=16, xattn_threshold=0.8)
+    kc, vc = _strided(batch.key_cache, batch.value_cache)
+    out = torch.full_like(batch.q, float("nan"))
+    qsl = batch.query_start_loc.tolist()
+    torch_attention(batch.q, kc, vc, batch.block_table, qsl, seq_lens, modes, p, out)
+    xa_masks = []
+    for b in range(B):
+        s, e = qsl[b], qsl[b + 1]
+        masks = [
+            xattn_block_mask_ref(
+                batch.q[s:e, h * 4 : (h + 1) * 4], batch.keys[b][:, h], seq_lens[b] - (e - s), 4, 16, 0.8, 0.125
+            )
+            for h in range(2)
+        ]
+        xa_masks.append(torch.stack(masks))
+    want = hybrid_attention_ref(
+        batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
+        modes, sink=4, window=24, scale=0.125, xa_block_masks=xa_masks, xa_block=16,
+    )  # fmt: skip
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+def test_decode_modes():
+    m = torch.tensor([FA, SSA, XA], dtype=torch.int8)
+    assert decode_modes(m, "dense").tolist() == [FA, FA, FA]
+    assert decode_modes(m, "sparse").tolist() == [FA, SSA, FA]
+
+
+def test_prerope_keys_invert_vllms_own_rope():
+    """Keys rotated by vLLM's RotaryEmbedding (llama3 scaling) come back exactly."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    params = dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=8192,
+    )  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_parameters=params
+    )
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, 131072, True, dict(params), dtype=torch.float32)
+    x = torch.randn(64, 2, 64)
+    pos = torch.randint(0, 120_000, (64,))
+    _, k = rope.forward_native(pos, torch.randn(64, 256), x.reshape(64, -1).clone())
+    from elastic_vllm.reference.rope import invert_rope
+
+    torch.testing.assert_close(
+        invert_rope(k.view(64, 2, 64), pos, RopeSpec.from_hf_config(cfg)), x, atol=2e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "tp,kv,want",
+    [
+        (1, 3, [[0, 1, 2]]),
+        (2, 8, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        (4, 8, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+        (4, 2, [[0], [0], [1], [1]]),  # replicated: 2 ranks per KV head
+        (8, 8, [[i] for i in range(8)]),
+    ],
+)
+def test_global_kv_heads(tp, kv, want):
+    assert [global_kv_heads(r, tp, kv) for r in range(tp)] == want
+
+
+def test_request_override():
+    assert request_override(None) == "auto" and request_override({"other": 1}) == "auto"
+    assert request_override({"elastic_force": "all-SA"}) == "all-SA"
+    with pytest.raises(ValueError, match=r"vllm_xargs.elastic_force: must be one of 'auto', 'all-FA', 'all-SA'"):
+        request_override({"elastic_force": "all-sa"})
+    assert effective_force("auto", "all-FA") == "all-FA" and effective_force("all-SA", "all-FA") == "all-SA"
+
+
+def test_register_is_idempotent_and_spawn_safe():
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from elastic_vllm.vllm_plugin import plugin
+
+    plugin.register()
+    plugin.register()
+    custom = AttentionBackendEnum.CUSTOM
+    assert AttentionBackendEnum["ELASTIC"] is custom
+    assert custom.get_path() == plugin.BACKEND_PATH
+    assert "ELASTIC" not in [m.name for m in AttentionBackendEnum]  # an alias, not a new member
+    assert pickle.loads(pickle.dumps(custom)) is custom  # pickles as CUSTOM (spawned engines unpickle it)
+    from vllm.config.attention import AttentionConfig
+
+    assert AttentionConfig.validate_backend_before("elastic") is custom
+    sel = SimpleNamespace(use_mla=False, use_sparse=False)
+    assert current_platform.get_attn_backend_cls(custom, sel) == plugin.BACKEND_PATH
+    cpu = AttentionBackendEnum.CPU_ATTN
+    assert current_platform.get_attn_backend_cls(cpu, sel) == cpu.get_path()
+
+
+# --- per-request planning, as the two model runners drive it ------------------------------------
+L, HKV, HQ, D, BS = 2, 2, 4, 64, 16
+
+
+class _Config(SimpleNamespace):  # weak-referenceable, as VllmConfig is
+    pass
+
+
+def fake_vllm_config(additional: dict, use_v2: bool = False):
+    hf = LlamaConfig(
+        hidden_size=HQ * D, num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D,
+        num_hidden_layers=L, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    mc = SimpleNamespace(hf_config=hf, served_model_name="tiny", model="tiny", get_num_kv_heads=lambda pc: HKV)
+    return _Config(
+        additional_config=additional,
+        model_config=mc,
+        parallel_config=SimpleNamespace(),
+        device_config=SimpleNamespace(device="cpu"),
+        speculative_config=None,
+        use_v2_model_runner=use_v2,
+    )
+
+
+@dataclass
+class NewReq:
+    req_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int = 0
+    sampling_params: object = None
+
+
+@dataclass
+class Cached:
+    req_ids: list[str] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    resumed_req_ids: set = field(default_factory=set)
+
+
+@dataclass
+class SchedOut:
+    scheduled_new_reqs: list
+    scheduled_cached_reqs: Cached
+    num_scheduled_tokens: dict
+    finished_req_ids: set = field(default_factory=set)
+    preempted_req_ids: set | None = None
+
+
+class PagedSim:
+    """Requests with known pre-RoPE keys, written post-RoPE into per-layer paged caches."""
+
+    def __init__(self, lens: dict[str, int], rope: RopeSpec, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.rope = rope
+        self.pre = {r: [torch.randn(n, HKV, D, generator=g) + 2 * li for li in range(L)] for r, n in lens.items()}
+        nblk = {r: (n + BS - 1) // BS for r, n in lens.items()}
+        total = sum(nblk.values()) + 2
+        perm = (torch.randperm(total - 1, generator=g) + 1).tolist()
+        self.blocks, at = {}, 0
+        for r, n in nblk.items():
+            self.blocks[r] = perm[at : at + n]
+            at += n
+        self.phys = [torch.zeros(total, BS, HKV, 2 * D) for _ in range(L)]  # [nb, bs, H, 2D] (NHD)
+        for r, n in lens.items():
+            pos = torch.arange(n)
+            for li in range(L):
+                k = apply_rope(self.pre[r][li], pos, rope)
+                blk = torch.tensor(self.blocks[r])[pos // BS]
+                self.phys[li][blk, pos % BS, :, :D] = k
+        self.max_blocks = max(nblk.values())
+
+    def key_cache(self, layer: int):
+        from elastic_vllm.vllm_plugin import compat
+
+        return compat.split_kv_cache(self.phys[layer].transpose(1, 2), D)[0]
+
+    def common(self, rows: list[str | None], q_lens: list[int], seq_lens: list[int], req_idx=None):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        B = len(rows)
+        bt = torch.zeros(B, self.max_blocks, dtype=torch.int32)
+        for b, r in enumerate(rows):
+            if r is not None:
+                bt[b, : len(self.blocks[r])] = torch.tensor(self.blocks[r])
+        qsl = torch.zeros(B + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+        kw = {"req_idx": np.array(req_idx)} if req_idx is not None else {}
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            num_reqs=B, num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+            block_table_tensor=bt, slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.long), **kw,
+        )  # fmt: skip
+
+
+def run_step(state, sim, so, rows, q_lens, seq_lens, req_idx=None):
+    state.on_step_begin(so)
+    state.on_rows([r for r in rows])
+    plan = state.plan_step(sim.common(rows, q_lens, seq_lens, req_idx))
+    if plan.route is not None:
+        for li in range(L):
+            state.route(li, sim.key_cache(li), plan.route)
+    modes = state.row_modes[:, : len(rows)].clone()  # [L, B, H]
+    state.on_step_end()
+    return plan, modes
+
+
+def router_decisions(router, keys_per_layer, end, n):
+    pooled = torch.stack([pool_keys(k[:end], "boundary", n) for k in keys_per_layer])
+    logits = torch.stack([router(li, pooled[li]) for li in range(L)])
+    return logits, decide(logits)
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("chunk_routing", ["prefix", "dense"])
+def test_per_request_routing_lifecycle(tmp_path, runner, chunk_routing):
+    """Two requests, chunked prefill, as V1 (no req_idx, rows re-ordered) and V2 (req_idx) build metadata."""
+    torch.manual_seed(0)
+    lens = {"A": 300, "B": 40}
+    rope = RopeSpec.from_hf_config(fake_vllm_config({}).model_config.hf_config)
+    sim = PagedSim(lens, rope)
+    # layer 0 splits A (FA) from B (SA) at head 0; layer 1 is a random router layer
+    pa = pool_keys(sim.pre["A"][0][:300], "boundary", 8)[0]
+    pb = pool_keys(sim.pre["B"][0][:40], "boundary", 8)[0]
+    r = linear_router(L, D, {0: prompt_splitting_rule(pa, pb)})
+    r.layers[1] = ElasticRouter(L, D).layers[1]
+    path = save_test_router(r, tmp_path / "r", HKV)
+    cfg = {
+        "elastic": {"router_path": str(path), "pool_tokens": 8, "chunk_routing": chunk_routing, "sink": 4, "window": 32}
+    }
+    st = EngineState(fake_vllm_config(cfg, use_v2=runner == "v2"))
+    st.attach(torch.device("cpu"), max_rows=4, max_slots=4, block_size=BS)
+    observe.clear()
+    v2 = runner == "v2"
+
+    # step 1: A's first chunk (100 of 300), B whole (40): B final, A prefix-routed (or dense)
+    so = SchedOut([NewReq("A", [0] * 300), NewReq("B", [0] * 40)], Cached(), {"A": 100, "B": 40})
+    plan, modes = run_step(st, sim, so, ["A", "B"], [100, 40], [100, 40], req_idx=[2, 0] if v2 else None)
+    routed = {rr.row: rr for rr in plan.route.host}
+    assert routed[1].final_slot is not None and routed[1].end == 40
+    _, dec_b = router_decisions(r, sim.pre["B"], 40, 8)
+    if chunk_routing == "prefix":
+        assert routed[0].final_slot is None and routed[0].end == 100  # prefix [0, 100)
+        _, dec_a_prefix = router_decisions(r, sim.pre["A"], 100, 8)
+        want = torch.where(dec_a_prefix, FA, SSA)
+        assert torch.equal(modes[:, 0].long(), want.long())
+    else:
+        assert 0 not in routed and (modes[:, 0] == FA).all()  # dense chunk
+    assert torch.equal(modes[:, 1].long(), torch.where(dec_b, FA, SSA).long())
+    ev = observe.events()
+    assert [e.req_id for e in ev] == ["B"] and torch.equal(ev[0].decisions, dec_b)
+    assert not ev[0].decisions[0, 0] and ev[0].prompt_len == 40
+
+    # step 2: V1 puts B's decode row first; A completes its prompt (200 more) -> final over [0, 300)
+    so = SchedOut([], Cached(["B", "A"], [40, 100]), {"B": 1, "A": 200})
+    plan, modes = run_step(st, sim, so, ["B", "A"], [1, 200], [41, 300], req_idx=[0, 2] if v2 else None)
+    assert [rr.row for rr in plan.route.host] == [1]
+    logits_a, dec_a = router_decisions(r, sim.pre["A"], 300, 8)
+    assert torch.equal(modes[:, 1].long(), torch.where(dec_a, FA, SSA).long())
+    assert (modes[:, 0] == FA).all()  # B decodes densely (decode_mode dense)
+    ev = observe.events("A")
+    assert len(ev) == 1 and torch.equal(ev[0].decisions, dec_a) and ev[0].decisions[0, 0]
+    torch.testing.assert_close(ev[0].logits, logits_a, atol=1e-4, rtol=1e-5)
+    assert ev[0].omega_msr == pytest.approx(float((~dec_a).float().mean()))
+
+    # step 3: both decode; A's table row is reused, not re-routed; B finishes after this step
+    so = SchedOut([], Cached(["A", "B"], [300, 41]), {"A": 1, "B": 1})
+    plan, modes = run_step(st, sim, so, ["A", "B"], [1, 1], [301, 42], req_idx=[2, 0] if v2 else None)
+    assert plan.route is None and (modes == FA).all()
+    assert len(observe.events()) == 2  # once per request
+
+    # step 4: B finished (freed); a padded dummy row reads the reserved all-FA slot
+    so = SchedOut([], Cached(["A"], [301]), {"A": 1}, finished_req_ids={"B"})
+    plan, modes = run_step(st, sim, so, ["A", None], [1, 1], [302, 1], req_idx=[2, 3] if v2 else None)
+    assert st.live_request_ids() == ["A"] and (modes == FA).all()
+
+
+def test_decode_sparse_and_readmission_reroutes_identically(tmp_path):
+    lens = {"A": 120}
+    rope = RopeSpec.from_hf_config(fake_vllm_config({}).model_config.hf_config)
+    sim = PagedSim(lens, rope, seed=3)
+    torch.manual_seed(3)
+    path = save_test_router(ElasticRouter(L, D), tmp_path / "r", HKV)
+    st = EngineState(fake_vllm_config({"elastic": {"router_path": str(path), "decode_mode": "sparse"}}))
+    st.attach(torch.device("cpu"), max_rows=4, max_slots=4, block_size=BS)
+    observe.clear()
+    before = observe.COUNTERS.snapshot()
+    run_step(st, sim, SchedOut([NewReq("A", [0] * 100)], Cached(), {"A": 100}), ["A"], [100], [100])
+    final = observe.events("A")[0].head_modes
+    _, modes = run_step(st, sim, SchedOut([], Cached(["A"], [100]), {"A": 1}), ["A"], [1], [101])
+    assert torch.equal(modes[:, 0].to(torch.int8), decode_modes(final, "sparse"))
+    # preempted, re-admitted: recomputes prompt + output (101 tokens) in one chunk past the prompt end
+    run_step(st, sim, SchedOut([], Cached(), {}, preempted_req_ids={"A"}), [], [1], [1])
+    so = SchedOut([], Cached(["A"], [0], resumed_req_ids={"A"}), {"A": 101})
+    plan, _ = run_step(st, sim, so, ["A"], [101], [101])
+    assert plan.route.host[0].end == 100 and plan.route.host[0].final_slot is not None
+    after = observe.COUNTERS.snapshot()
+    assert after["rerouted"] == before["rerouted"] + 1 and after["reroute_mismatches"] == before["reroute_mismatches"]
+    assert len(observe.events("A")) == 1  # recorded once
+
+
+def test_startup_errors_name_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_VLLM_ROUTER_WEIGHTS", str(tmp_path / "none"))
+    monkeypatch.chdir(tmp_path)
+    import elastic_vllm.vllm_plugin.state as state_mod
+
+    monkeypatch.setattr(state_mod, "router_search_dirs", lambda: [tmp_path / "none"])
+    with pytest.raises(ConfigError, match=r"no router for tiny .*router_path.*force"):
+        EngineState(fake_vllm_config({}))
+    with pytest.raises(ConfigError, match=r"elastic\.window"):
+        EngineState(fake_vllm_config({"elastic": {"window": 0}}))
+    other = save_test_router(ElasticRouter(L + 1, D), tmp_path / "other", HKV)
+    with pytest.raises(RouterCheckpointError, match=r"num_layers: router 3 vs model 2"):
+        EngineState(fake_vllm_config({"elastic": {"router_path": str(other)}}))
+    # a shipped router whose backbone matches is found without router_path
+    shipped = tmp_path / "none" / "tiny-router"
+    save_test_router(ElasticRouter(L, D), shipped, HKV, "tiny")
+    assert EngineState(fake_vllm_config({})).router_path == str(shipped)
+    with pytest.raises(ValueError, match="elastic_ops"):
+        resolve_ops("cuda", torch.device("cpu"))
