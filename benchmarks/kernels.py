@@ -399,15 +399,13 @@ def decode_batch(ctx: int, B: int) -> None:
         log(row)
 
 
-def route_all_layers(kc, bts, one, plen, w, table, inv, fused) -> None:
-    from elastic_vllm.csrc.route import route
-
+def route_all_layers(router, kc, bts, one, plen) -> None:
     for layer, bt in enumerate(bts):
-        route(kc, bt, one, plen, one, w, layer, table, inv_freq=inv, fused=fused)
+        router(kc, bt, one, plen, one, layer)
 
 
 def router_section() -> None:
-    from elastic_vllm.csrc.route import pack_router_weights, route_errors
+    from elastic_vllm.csrc.route import Router, pack_router_weights, route_errors
 
     from elastic_vllm.router.model import ElasticRouter
 
@@ -425,7 +423,8 @@ def router_section() -> None:
         plen = torch.tensor([S], device=DEV, dtype=torch.int32)
         table = torch.zeros(4, L, HKV, device=DEV, dtype=torch.int8)
         for fused in (True, False) if DEV.type == "cuda" else (False,):
-            all_layers = functools.partial(route_all_layers, kc, bts, one, plen, w, table, inv, fused)
+            router = Router(w, table, inv_freq=inv, num_kv_heads=HKV, head_dim=d, block_size=BS, fused=fused)
+            all_layers = functools.partial(route_all_layers, router, kc, bts, one, plen)
             r = timeit(all_layers)
             row = {"prompt": S, "layers": L, "fused": fused, "eager": r}
             if DEV.type == "cuda":

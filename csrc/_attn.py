@@ -93,7 +93,7 @@ def attn_step(
     b_k, o_n = load_kv_tile(
         p_k, p_bt, k0, seq_len, s_kb, s_kt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, MASKED
     )  # [BN, BD]
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BM, BN] raw scores
     if MASKED:
         i = q_pos[:, None]
         j = o_n[None, :]
@@ -101,12 +101,13 @@ def attn_step(
         if HAS_ROWSEL:
             m_s = m_s & row_sel[:, None]
         b_s = tl.where(m_s, b_s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(b_s, 1))  # [BM]; m_i starts finite, so never -inf
+    # the scale (> 0) commutes with max, so it folds into one FMA per score: s * scale - m
+    m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)  # [BM]; m_i starts finite, so never -inf
     alpha = tl.exp2(m_i - m_new)
-    b_p = tl.exp2(b_s - m_new[:, None])  # [BM, BN]
+    b_p = tl.exp2(b_s * qk_scale - m_new[:, None])  # [BM, BN]
     l_i = l_i * alpha + tl.sum(b_p, 1)
     b_v, o_n = load_kv_tile(
         p_v, p_bt, k0, seq_len, s_vb, s_vt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, MASKED
     )  # [BN, BD]
-    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
+    acc = tl.dot(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, l_i, m_new

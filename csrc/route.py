@@ -261,6 +261,115 @@ def route_errors(device: torch.device) -> int:
     return 0 if ws_cnt is None else int(ws_cnt[1][:, 3].max().item())
 
 
+class Router:
+    """Prepared router launcher for the hot path: validate and precompute once, launch per layer.
+
+    ``Router(weights, table, inv_freq=..., ...)`` checks the static inputs (packed weights, decision
+    table, RoPE frequencies) and fixes the launch metadata; each ``router(key_cache, block_table,
+    req_rows, prompt_lens, slots, layer)`` then only reads strides and launches one kernel (fused)
+    with no validation, allocation or host sync. ``route()`` is the checked one-shot equivalent.
+    """
+
+    def __init__(
+        self,
+        weights: torch.Tensor,
+        table: torch.Tensor,
+        *,
+        inv_freq: torch.Tensor,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        attention_scaling: float = 1.0,
+        pool_tokens: int = 100,
+        pooling: str = "boundary",
+        fa_value: int = 0,
+        sa_value: int = 1,
+        num_chunks: int | None = None,
+        fused: bool | None = None,
+    ):
+        dev = weights.device
+        d, hkv = head_dim, num_kv_heads
+        check_tensor(weights, "weights", dim=2, dtypes=(torch.float32,))
+        if not weights.is_contiguous():
+            raise ValueError("weights: must be contiguous (use pack_router_weights)")
+        num_layers, p = weights.shape
+        hidden, rem = divmod(p - 4 * d - 2, 4 * d + 2)
+        if rem or hidden < 16 or hidden & (hidden - 1):
+            raise ValueError(f"weights: {p} floats per layer is not a packed router for head_dim {d}")
+        check_tensor(table, "table", dim=3, dtypes=MODE_DTYPES, shape=(None, num_layers, hkv), device=dev)
+        check_tensor(inv_freq, "inv_freq", dim=1, dtypes=(torch.float32,), device=dev)
+        rot = 2 * inv_freq.shape[0]
+        if rot == 0 or rot > d:
+            raise ValueError(f"inv_freq: rotary_dim {rot} must be in (0, head_dim {d}]")
+        if pooling not in ("boundary", "whole"):
+            raise ValueError(f"pooling: expected 'boundary' or 'whole', got {pooling!r}")
+        if pool_tokens < 1:
+            raise ValueError(f"pool_tokens: must be >= 1, got {pool_tokens}")
+        self.fused = (not interpret()) if fused is None else fused
+        if num_chunks is not None and (num_chunks < 1 or num_chunks & (num_chunks - 1) or hidden // num_chunks < 16):
+            raise ValueError(f"num_chunks: a power of two with hidden/num_chunks >= 16 required, got {num_chunks}")
+        if self.fused and num_chunks is not None and num_chunks > 1 and interpret():
+            raise ValueError("fused: the interpreter runs programs one by one; use fused=False or num_chunks=1")
+        self.device, self.num_layers, self.hidden, self.hd = dev, num_layers, hidden, hkv * d
+        self.num_chunks, self.sms = num_chunks, num_sms(dev)
+        self.weights, self.table, self.inv_freq = weights, table, inv_freq
+        n = min(pool_tokens, 1 << 29) if pooling == "boundary" else 1 << 29  # 2n must fit in int32
+        self.strides = (weights.stride(0), table.stride(0), table.stride(1), table.stride(2))
+        self.tail = (n, float(attention_scaling), int(fa_value), int(sa_value), MAX_SPINS)
+        self.meta = dict(
+            D=d, BLOCK_D=max(16, next_pow2(d)), HKV=hkv, BLOCK_H=max(16, next_pow2(hkv)),
+            BLOCK_HD=next_pow2(self.hd), HID=hidden, ROT=rot, BS=block_size,
+            BLOCK_T=max(1, min(32, 8192 // next_pow2(self.hd))), num_warps=4,
+        )  # fmt: skip
+        self._plans: dict[int, tuple] = {}
+
+    def plan(self, R: int) -> tuple:
+        """(num_chunks, workspace, counters, launch metadata) for R routed requests, cached per R."""
+        p = self._plans.get(R)
+        if p is None:
+            nc = self.num_chunks
+            if nc is None:
+                # fused: as many chunks as keep every program resident; phased (interpreter): a few
+                nc = (
+                    min(16, self.hidden // 16, prev_pow2(max(self.sms // R, 1)))
+                    if self.fused
+                    else min(4, self.hidden // 16)
+                )
+            if self.fused and nc > 1 and nc * R > self.sms:
+                raise ValueError(
+                    f"num_chunks: {nc} x {R} requests exceeds {self.sms} SMs (fused programs must be co-resident)"
+                )
+            ws, cnt = _workspace(self.device, R, nc, self.hd)
+            phases = (-1,) if self.fused else (0, 1, 2)
+            metas = [dict(self.meta, NC=nc, CH=self.hidden // nc, PHASE=ph) for ph in phases]
+            p = self._plans[R] = (nc, ws, cnt, metas)
+        return p
+
+    def __call__(
+        self,
+        key_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        req_rows: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        slots: torch.Tensor,
+        layer: int,
+        logits_out: torch.Tensor | None = None,
+    ) -> None:
+        R = req_rows.shape[0]
+        if R == 0:
+            return
+        nc, ws, cnt, metas = self.plan(R)
+        ks = key_cache.stride()
+        has_lg = logits_out is not None
+        args = (
+            key_cache, block_table, req_rows, prompt_lens, slots, self.inv_freq, self.weights, self.table,
+            logits_out if has_lg else ws, ws, cnt, ks[0], ks[1], ks[2], block_table.stride(0), *self.strides,
+            layer, *self.tail,
+        )  # fmt: skip
+        for meta in metas:
+            _route_kernel[(nc, R)](*args, HAS_LOGITS=has_lg, **meta)
+
+
 def route(
     key_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -312,59 +421,17 @@ def route(
     check_tensor(prompt_lens, "prompt_lens", dim=1, dtypes=INDEX_DTYPES, shape=(R,), device=dev)
     check_tensor(slots, "slots", dim=1, dtypes=INDEX_DTYPES, shape=(R,), device=dev)
     check_tensor(weights, "weights", dim=2, dtypes=(torch.float32,), device=dev)
-    if not weights.is_contiguous():
-        raise ValueError("weights: must be contiguous (use pack_router_weights)")
-    num_layers, p = weights.shape
-    hidden, rem = divmod(p - 4 * d - 2, 4 * d + 2)
-    if rem or hidden < 16 or hidden & (hidden - 1):
-        raise ValueError(f"weights: {p} floats per layer is not a packed router for head_dim {d}")
+    num_layers = weights.shape[0]
+    router = Router(
+        weights, table, inv_freq=inv_freq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+        attention_scaling=attention_scaling, pool_tokens=pool_tokens, pooling=pooling, fa_value=fa_value,
+        sa_value=sa_value, num_chunks=num_chunks, fused=fused,
+    )  # fmt: skip
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer: {layer} out of range for {num_layers} router layers")
-    check_tensor(table, "table", dim=3, dtypes=MODE_DTYPES, shape=(None, num_layers, hkv), device=dev)
-    check_tensor(inv_freq, "inv_freq", dim=1, dtypes=(torch.float32,), device=dev)
-    rot = 2 * inv_freq.shape[0]
-    if rot == 0 or rot > d:
-        raise ValueError(f"inv_freq: rotary_dim {rot} must be in (0, head_dim {d}]")
-    if pooling not in ("boundary", "whole"):
-        raise ValueError(f"pooling: expected 'boundary' or 'whole', got {pooling!r}")
-    if pool_tokens < 1:
-        raise ValueError(f"pool_tokens: must be >= 1, got {pool_tokens}")
     if logits_out is not None:
         check_tensor(logits_out, "logits_out", dtypes=(torch.float32,), shape=(R, hkv, 2), device=dev)
         if not logits_out.is_contiguous():
             raise ValueError("logits_out: must be contiguous")
-    if R == 0:
-        return table
-
-    if fused is None:
-        fused = not interpret()
-    sms = num_sms(dev)
-    if num_chunks is None:
-        # fused: as many chunks as keep every program resident; phased (interpreter): a few
-        num_chunks = min(16, hidden // 16, prev_pow2(max(sms // R, 1))) if fused else min(4, hidden // 16)
-    nc = num_chunks
-    if nc < 1 or nc & (nc - 1) or hidden // nc < 16:
-        raise ValueError(f"num_chunks: a power of two with hidden/num_chunks >= 16 required, got {nc}")
-    if fused and nc > 1 and interpret():
-        raise ValueError("fused: the interpreter runs programs one by one; use fused=False or num_chunks=1")
-    if fused and nc > 1 and nc * R > sms:
-        raise ValueError(f"num_chunks: {nc} x {R} requests exceeds {sms} SMs (fused programs must be co-resident)")
-    hd = hkv * d
-    ws, cnt = _workspace(dev, R, nc, hd)
-    n = min(pool_tokens, 1 << 29) if pooling == "boundary" else 1 << 29  # 2n must fit in int32
-    lg = logits_out if logits_out is not None else ws
-    args = (
-        key_cache, block_table, req_rows, prompt_lens, slots, inv_freq, weights, table, lg, ws, cnt,
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-        weights.stride(0), table.stride(0), table.stride(1), table.stride(2),
-        layer, n, float(attention_scaling), int(fa_value), int(sa_value), MAX_SPINS,
-    )  # fmt: skip
-    meta = dict(
-        NC=nc, D=d, BLOCK_D=max(16, next_pow2(d)), HKV=hkv, BLOCK_H=max(16, next_pow2(hkv)),
-        BLOCK_HD=next_pow2(hd), HID=hidden, CH=hidden // nc, ROT=rot, BS=bs,
-        BLOCK_T=max(1, min(32, 8192 // next_pow2(hd))), HAS_LOGITS=logits_out is not None, num_warps=4,
-    )  # fmt: skip
-    phases = (-1,) if fused else (0, 1, 2)
-    for ph in phases:
-        _route_kernel[(nc, R)](*args, PHASE=ph, **meta)
+    router(key_cache, block_table, req_rows, prompt_lens, slots, layer, logits_out)
     return table

@@ -117,3 +117,20 @@ def test_route_launcher_errors_name_the_argument():
         route(*a, w, 0, table, inv_freq=spec.inv_freq, pooling="mean")
     with pytest.raises(ValueError, match="fused"):
         route(*a, w, 0, table, inv_freq=spec.inv_freq, fused=True, num_chunks=2)
+
+
+def test_prepared_router_repeated_calls_rearm_counters():
+    """The hot-path launcher: one validation, then many layers; counters re-arm between launches."""
+    from elastic_vllm.csrc.route import Router
+
+    batch, spec, router, rows, plens = make_case([120, 230], layers=3, seed=8)
+    w = pack_router_weights(router)
+    table = torch.full((2, 3, 4), 9, dtype=torch.int8)
+    r = Router(w, table, inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, num_kv_heads=4,
+               head_dim=32, block_size=16, fused=False, num_chunks=2)  # fmt: skip
+    for layer in (2, 0, 1, 2):
+        lg = torch.full((2, 4, 2), float("nan"))
+        r(batch.key_cache, batch.block_table, rows, plens, rows, layer, lg)
+        want = route_logits_ref(batch.key_cache, batch.block_table, rows, plens, router, layer, spec)
+        torch.testing.assert_close(lg, want, atol=LOGIT_ATOL, rtol=1e-5)
+    assert (table != 9).all()
