@@ -111,3 +111,52 @@ def attn_step(
     )  # [BN, BD]
     acc = tl.dot(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, l_i, m_new
+
+
+@triton.jit
+def softmax_pv(acc, l_i, m_i, b_s, p_v, p_bt, k0, seq_len, s_vb, s_vt, o_d, qk_scale,
+               BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               TILE_IN_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """Online-softmax update with unmasked raw scores b_s [BM, BN] of the tile at k0, then P.V."""
+    m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    b_p = tl.exp2(b_s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    b_v, _o_n = load_kv_tile(
+        p_v, p_bt, k0, seq_len, s_vb, s_vt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False
+    )
+    acc = tl.dot(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def unmasked_loop_pipelined(acc, l_i, m_i, b_q, p_k, p_v, p_bt, lo, hi, seq_len, s_kb, s_kt, s_vb, s_vt, o_d,
+                            qk_scale, BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_D: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """Unmasked tiles [lo, hi) with S(j+1) = Q K(j+1)^T issued before the softmax of tile j.
+
+    The two are independent, so an asynchronous tensor-core product can overlap the exp2/max work
+    (FlashAttention-3's intra-warpgroup overlap, left to the compiler's async wgmma). Costs one more
+    [BM, BN] fp32 score tile in registers.
+    """
+    if lo < hi:
+        b_k, _o_n0 = load_kv_tile(
+            p_k, p_bt, lo * BLOCK_N, seq_len, s_kb, s_kt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False
+        )
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BM, BN]
+        for i_n in range(lo, hi - 1):
+            b_k, _o_n = load_kv_tile(
+                p_k, p_bt, (i_n + 1) * BLOCK_N, seq_len, s_kb, s_kt, o_d,
+                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False,
+            )  # fmt: skip
+            b_s_next = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+            acc, l_i, m_i = softmax_pv(
+                acc, l_i, m_i, b_s, p_v, p_bt, i_n * BLOCK_N, seq_len, s_vb, s_vt, o_d, qk_scale,
+                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
+            )  # fmt: skip
+            b_s = b_s_next
+        acc, l_i, m_i = softmax_pv(
+            acc, l_i, m_i, b_s, p_v, p_bt, (hi - 1) * BLOCK_N, seq_len, s_vb, s_vt, o_d, qk_scale,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
+        )  # fmt: skip
+    return acc, l_i, m_i

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attn import attn_step
+from ._attn import attn_step, unmasked_loop_pipelined
 from ._common import (
     INDEX_DTYPES,
     MODE_DTYPES,
@@ -72,6 +72,7 @@ def _window_loops(
     BLOCK_D: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PIPE_QK: tl.constexpr,
 ):
     """FA and SSA: sink tiles + window tiles for queries at positions q_lo..q_hi."""
     # sink tiles [0, s_hi); window tiles [w_lo, w_hi), never revisiting a sink tile
@@ -92,13 +93,19 @@ def _window_loops(
             s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
             BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
         )  # fmt: skip
-    # 2) unmasked interior
-    for i_n in range(u_lo, u_hi):
-        acc, l_i, m_i = attn_step(
-            acc, l_i, m_i, b_q, p_k, p_v, p_bt, i_n * BLOCK_N, q_pos, q_pos, seq_len, eff_sink, eff_window,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, False, DOT_PREC,
+    # 2) unmasked interior (the bulk of an FA head's work)
+    if PIPE_QK:
+        acc, l_i, m_i = unmasked_loop_pipelined(
+            acc, l_i, m_i, b_q, p_k, p_v, p_bt, u_lo, u_hi, seq_len, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
         )  # fmt: skip
+    else:
+        for i_n in range(u_lo, u_hi):
+            acc, l_i, m_i = attn_step(
+                acc, l_i, m_i, b_q, p_k, p_v, p_bt, i_n * BLOCK_N, q_pos, q_pos, seq_len, eff_sink, eff_window,
+                s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, False, DOT_PREC,
+            )  # fmt: skip
     # 3) masked: the diagonal tiles
     for i_n in range(u_hi, w_hi):
         acc, l_i, m_i = attn_step(
@@ -215,6 +222,7 @@ def _prefill_kernel(
     HAS_XA: tl.constexpr,
     XA_BLOCK: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PIPE_QK: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     # heaviest first: program 0 takes the last query tile; the KV heads of one tile are adjacent
@@ -279,13 +287,13 @@ def _prefill_kernel(
             acc, l_i, m_i = _window_loops(
                 acc, l_i, m_i, b_q, p_k, p_v, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink, eff_window,
                 s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
+                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC, PIPE_QK,
             )  # fmt: skip
     else:
         acc, l_i, m_i = _window_loops(
             acc, l_i, m_i, b_q, p_k, p_v, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink, eff_window,
             s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC, PIPE_QK,
         )  # fmt: skip
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     b_o = acc / l_i[:, None]
@@ -326,6 +334,7 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    pipeline_qk: bool = False,
 ) -> torch.Tensor:
     """Hybrid FA/SSA/XA causal attention for a varlen batch over a paged KV cache (one launch).
 
@@ -344,7 +353,8 @@ def prefill_attention(
             [B, Hkv, max_q_blocks] int32, the XA selection (format in the module docstring,
             produced by ``xattn_select``). Without them, XA heads run as FA.
         out: optional [T, Hq, D] output (written in place).
-        block_m, block_n, num_warps, num_stages: tuning overrides.
+        block_m, block_n, num_warps, num_stages: tuning overrides. pipeline_qk: issue the next
+            tile's Q.K^T before the current tile's softmax in the unmasked loop (experimental).
 
     Returns:
         out [T, Hq, D] in q's dtype. No host synchronisation.
@@ -426,7 +436,7 @@ def prefill_attention(
         B, hkv, n_tiles, sink, window, scale * 1.4426950408889634,
         G=g, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=max(next_pow2(d), 16),
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, HAS_XA=has_xa,
-        XA_BLOCK=xattn_block, DOT_PREC=dot_precision(q.dtype),
+        XA_BLOCK=xattn_block, DOT_PREC=dot_precision(q.dtype), PIPE_QK=bool(pipeline_qk),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
     return out

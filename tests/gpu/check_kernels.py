@@ -328,6 +328,10 @@ def main() -> int:
         ),
         ("prefill 32K dense vs SDPA flash", prefill_vs_sdpa(S32, 128, 16)),
         (
+            "prefill 8K bf16 75% SSA pipeline_qk variant",
+            prefill_case([S8, sz(3000)], [S8, sz(1000)], 32, 8, 128, 16, bf, 128, W, 0.75, pipeline_qk=True),
+        ),
+        (
             "xattn 8K FA-XA tau0.9",
             xa_case(S8, S8, 32, 8, 128, 16, 16 if not ARGS.cpu_dry else 4, 128 if not ARGS.cpu_dry else 16, 0.9),
         ),

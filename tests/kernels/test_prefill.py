@@ -69,6 +69,15 @@ def test_prefill_matches_reference(name):
     assert_close(out, ref(batch, hm, sink, window), name)
 
 
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_prefill_pipelined_qk_variant(block_n):
+    gen = torch.Generator().manual_seed(13)
+    batch = make_paged_batch([300, 90, 33, 1], [300, 33, 33, 1], 8, 2, 32, block_size=16, generator=gen)
+    hm = torch.tensor([[FA, SSA], [SSA, FA], [FA, FA], [SSA, FA]], dtype=torch.int8)
+    out = run(batch, hm, 4, 40, block_m=32, block_n=block_n, pipeline_qk=True)
+    assert_close(out, ref(batch, hm, 4, 40), "pipeline_qk")
+
+
 def test_prefill_long_ragged_1023():
     gen = torch.Generator().manual_seed(7)
     batch = make_paged_batch([1023], [1023], 2, 2, 16, block_size=16, generator=gen)
