@@ -149,12 +149,15 @@ def test_outputs_checkpoint_logs_and_plots(env, tmp_path):
     ck = load_router(out / "router", expect=BackboneShape(num_layers=3, num_kv_heads=2, head_dim=16))
     assert ck.meta.attention["window"] == 24 and ck.meta.attention["mode"] == "FA-SSA"
     assert ck.meta.pooling == {"mode": "boundary", "tokens": 100}
-    assert ck.meta.training["steps"] == 3 and set(ck.meta.training["tasks"]) == {"kv", "cont"}
+    assert ck.meta.training["steps"] == 3 == ck.meta.training["steps_planned"] and set(ck.meta.training["tasks"]) == {
+        "kv",
+        "cont",
+    }
     assert json.loads((out / "summary.json").read_text())["data_sha256"] == summary["data_sha256"]
     for k in ("lm_loss", "reg_loss", "omega", "omega_argmax", "lambdas", "tau", "gap"):
         assert k in log[0]
     assert sorted(p.name for p in (out / "plots").glob("*.png")) == sorted(
-        f"{n}.png" for n in ("lm_loss", "reg_loss", "omega_msr", "gap", "lambdas", "tau")
+        f"{n}.png" for n in ("lm_loss", "reg_loss", "omega_msr", "gap", "lambdas", "tau", "curves")
     )
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == ["LATEST", "step_000002", "step_000003"]

@@ -228,6 +228,10 @@ def _compute(modes, q, k, v, ctx, cfg, scale, xa) -> torch.Tensor:
     k_pos, k_valid, q_pos, q_valid, padded, impl = ctx
     if impl == "reference":
         return _reference(q, k, v, modes, k_valid, q_valid, xa, cfg, scale)
+    if impl == "triton":
+        from elastic_vllm.hf import triton_backend
+
+        return triton_backend.hybrid_attention(q, k, v, modes, k_valid, q_valid, padded, xa, cfg, scale)
     present = set(modes.unique().tolist())
     if len(present) == 1:
         return _attend_all(present.pop(), q, k, v, ctx, cfg, scale, xa)

@@ -32,7 +32,7 @@ from elastic_vllm.hf.state import ElasticState
 from elastic_vllm.router.checkpoint import BackboneShape, load_router
 from elastic_vllm.router.model import ElasticRouter
 
-IMPLS = ("torch", "reference")
+IMPLS = ("torch", "reference", "triton", "auto")
 
 
 def register() -> None:
@@ -77,10 +77,17 @@ def enable_elastic(
 
     router: an ElasticRouter, a router checkpoint folder, or None (then ``cfg.router_path`` if set;
     with no router at all only ``cfg.force`` in {"all-FA", "all-SA"} or ``state.fixed_routing`` route).
-    impl: "torch" (fast path) or "reference" (the plain oracle of ``elastic_vllm.reference``, slow).
+    impl: "torch" (PyTorch, CPU and GPU), "triton" (``elastic_vllm.csrc`` kernels, inference only),
+    "reference" (the plain oracle of ``elastic_vllm.reference``, slow) or "auto" (triton on a CUDA
+    model when the kernels import, else torch). Training always runs the torch (or reference) path.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        from elastic_vllm.hf import triton_backend
+
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        impl = "triton" if on_gpu and triton_backend.available() else "torch"
     register()
     cfg = ElasticConfig.parse(cfg)
     shape = BackboneShape.from_hf_config(model.config)

@@ -69,8 +69,18 @@ def in_eval(key: str) -> bool:
 
 
 class Builder:
-    def __init__(self, sources: Path, tokenizer, seed: int, min_tokens: int, max_tokens: int, split: str):
+    def __init__(
+        self,
+        sources: Path,
+        tokenizer,
+        seed: int,
+        min_tokens: int,
+        max_tokens: int,
+        split: str,
+        stdlib: Path | None = None,
+    ):
         self.src = sources
+        self.stdlib = stdlib
         self.tok = tokenizer
         self.seed = seed
         self.min_tokens = min_tokens
@@ -164,7 +174,7 @@ class Builder:
         if "stdlib" not in self._cache:
             import sysconfig
 
-            root = Path(sysconfig.get_paths()["stdlib"])
+            root = self.stdlib or Path(sysconfig.get_paths()["stdlib"])
             skip = ("test", "idlelib", "lib2to3", "site-packages", "tkinter", "turtledemo", "ensurepip", "config-")
             files = [
                 f
@@ -469,6 +479,7 @@ def build(
     tasks: tuple[str, ...] = tuple(TASKS),
     gz: bool = True,
     progress: bool = True,
+    stdlib: str | Path | None = None,
 ) -> dict:
     src = Path(sources)
     manifest_src = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).is_file() else {}
@@ -479,7 +490,7 @@ def build(
     for split, n in (("train", per_task), ("eval", eval_per_task)):
         if n <= 0:
             continue
-        b = Builder(src, tokenizer, seed, min_tokens, max_tokens, split)
+        b = Builder(src, tokenizer, seed, min_tokens, max_tokens, split, Path(stdlib) if stdlib else None)
         rows = []
         it = [(t, i) for t in tasks for i in range(n)]
         if progress:

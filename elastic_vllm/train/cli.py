@@ -48,6 +48,10 @@ def train_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/LATEST")
+    p.add_argument("--stop-after", type=int, help="end this run after N more steps (checkpointed; --resume goes on)")
+    p.add_argument(
+        "--time-budget-s", type=float, help="stop early, still writing router/summary/plots, before passing this"
+    )
     p.add_argument("--backbone-id", help="backbone name recorded in router.json")
 
 
@@ -84,6 +88,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         fsdp=not a.no_fsdp,
         save_every=a.save_every,
         resume=a.resume,
+        stop_after=a.stop_after,
+        time_budget_s=a.time_budget_s,
         plots=not a.no_plots,
         progress=not a.no_progress,
         backbone_id=a.backbone_id,

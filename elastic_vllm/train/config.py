@@ -72,6 +72,9 @@ class TrainConfig(BaseModel):
     log_every: int = Field(1, ge=1)
     resume: bool = False
     stop_after: int | None = Field(None, ge=1, description="end this run after N more steps (checkpointed)")
+    time_budget_s: float | None = Field(
+        None, gt=0, description="stop early (router, summary and plots still written) once the next step would pass it"
+    )
     plots: bool = True
     progress: bool = True
     backbone_id: str | None = None

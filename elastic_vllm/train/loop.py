@@ -23,6 +23,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -293,11 +294,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc="train-router", dynamic_ncols=True)
+        # not a terminal (a log file, a remote job): a line every 10 s instead of a redraw per step
+        bar = tqdm(
+            total=cfg.steps,
+            initial=start,
+            desc="train-router",
+            dynamic_ncols=True,
+            mininterval=0.2 if sys.stderr.isatty() else 10.0,
+        )
     params = list(router.parameters())
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    t_loop, stopped_early = time.time(), None
     for step in range(start, end):
         t0 = time.time()
+        if cfg.time_budget_s is not None and step > start:
+            per_step = (t0 - t_loop) / (step - start)
+            if t0 - t_start + per_step > cfg.time_budget_s:
+                stopped_early = step
+                break
         tau = tau_at(cfg, step)
         batch = [next(stream) for _ in range(cfg.batch_size)]
         mine = list(range(rank * per_rank, (rank + 1) * per_rank))
@@ -375,10 +389,21 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 _dist().barrier()
     if bar is not None:
         bar.close()
+    if stopped_early is not None:
+        if rank == 0:
+            print(
+                f"train-router: time budget {cfg.time_budget_s} s reached, stopping after step {stopped_early}",
+                file=sys.stderr,
+            )
+            save_checkpoint(out, stopped_early, router, lambdas, opt, sched, meta, cfg.keep_checkpoints)
+        end = cfg.steps  # finish: the router of the last step is the result
 
     summary: dict[str, Any] = {}
     if rank == 0 and end == cfg.steps:
         summary = _finish(cfg, out, router, lambdas, meta, examples, skipped, time.time() - t_start, dev)
+        if stopped_early is not None:
+            summary["stopped_early_at_step"] = stopped_early
+            _write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     if world > 1:
         _dist().barrier()
     state.train = None
@@ -413,7 +438,8 @@ def _finish(cfg, out, router, lambdas, meta, examples, skipped, wall, dev) -> di
         cats.setdefault(task_cat[t], []).append(v)
     by_cat = {c: sum(v) / len(v) for c, v in cats.items()}
     summary = {
-        "steps": cfg.steps,
+        "steps": len(records) and records[-1]["step"],
+        "steps_planned": cfg.steps,
         "batch_size": cfg.batch_size,
         "examples": len(examples),
         "skipped_too_long": skipped,

@@ -1,7 +1,8 @@
 """PNG curves of a router-training log (matplotlib, the [train] extra).
 
 One figure per quantity, each one PNG: lm_loss, reg_loss, omega_msr (per task; argmax decisions,
-i.e. what inference would do), gap (|Omega - t| per category), lambdas (per category), tau.
+i.e. what inference would do), gap (|Omega - t| per category), lambdas (per category), tau; and
+curves.png with all six panels.
 Per-task curves are smoothed with an EMA (a step only holds a few sequences of each task).
 """
 
@@ -92,4 +93,32 @@ def plot_log(records: list[dict], folder: str | Path) -> list[str]:
     ax.set_xlabel("step")
     ax.set_ylabel("Gumbel temperature tau")
     save(fig, "tau")
+
+    # everything in one figure, for a quick look (and transports that return few files)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    (a, b, c), (d, e, f) = axes
+    for ax, key in ((a, "lm_loss"), (b, "reg_loss")):
+        ys = [r[key] for r in records]
+        ax.plot(steps, ys, alpha=0.3, color="C0")
+        ax.plot(steps, _ema(ys), color="C0")
+        ax.set_title(key)
+    for i, (task, (s, y)) in enumerate(sorted(_series(records, "omega_argmax").items())):
+        c.plot(s, _ema(y), label=task, color=f"C{i}")
+    c.set_ylim(-0.02, 1.02)
+    c.set_title("Omega_MSR per task (argmax, EMA)")
+    c.legend(fontsize=7)
+    for i, (cat, (s, y)) in enumerate(sorted(_series(records, "gap").items())):
+        d.plot(s, _ema(y), label=cat, color=f"C{i}")
+    d.set_title("|Omega - t| per category (EMA)")
+    d.legend(fontsize=7)
+    for i, cat in enumerate(cats):
+        for name, style in (("lambda1", "-"), ("lambda2", "--")):
+            e.plot(steps, [r["lambdas"][cat][name] for r in records], style, color=f"C{i}", label=f"{name} {cat}")
+    e.set_title("Lagrange multipliers")
+    e.legend(fontsize=7)
+    f.plot(steps, [r["tau"] for r in records])
+    f.set_title("tau")
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+    save(fig, "curves")
     return written
