@@ -539,9 +539,9 @@ def main() -> int:
         section("decode 128K", lambda: decode_section(131072, (1, 16, 64)), 40)
     section("router", router_section, 20)
     if not ARGS.quick:
+        section("sweep", sweep_section, 90 if not dry else 1)  # tuning data first: most useful per second
         for S in [256] if dry else [8192, 32768, 131072]:
             section(f"prefill S={S} d=64", lambda S=S: prefill_section(S, 64, shares), 10 + 1.5e-9 * S * S)
-        section("sweep", sweep_section, 90 if not dry else 1)
         if not dry:
             section("prefill S=262144 d=128", lambda: prefill_section(262144, 128, shares), 130)
     save()
