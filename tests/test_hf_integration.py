@@ -291,8 +291,13 @@ def test_router_checkpoint_for_another_model_is_refused(tmp_path):
     save_router(ElasticRouter(4, D), tmp_path / "r", meta)
     with pytest.raises(RouterCheckpointError, match="num_layers: router 4 vs model 3"):
         enable_elastic(model, CFG, tmp_path / "r")
-    meta = RouterMeta(backbone=BackboneMeta(num_layers=L, num_kv_heads=HKV, head_dim=D, id="tiny"))
+    trained_with = ElasticConfig(sink=3, window=24).model_dump(mode="json")
+    meta = RouterMeta(
+        backbone=BackboneMeta(num_layers=L, num_kv_heads=HKV, head_dim=D, id="tiny"), attention=trained_with
+    )
     save_router(sharp_router(), tmp_path / "ok", meta)
     state = enable_elastic(model, CFG, tmp_path / "ok")
     model(input_ids=torch.randint(0, 256, (1, 9)))
-    assert state.last_logits.shape == (1, L, HKV, 2)
+    assert state.last_logits.shape == (1, L, HKV, 2) and state.cfg.window == CFG["window"]
+    # no config given: the one the router was trained with
+    assert enable_elastic(model, None, tmp_path / "ok").cfg.window == 24

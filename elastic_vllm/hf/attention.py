@@ -25,14 +25,16 @@ from elastic_vllm.router.model import decide
 ATTN_IMPLEMENTATION = "elastic"
 
 
-def pool_prompt_keys(keys: torch.Tensor, prompt: torch.Tensor, pooling: str, n: int) -> torch.Tensor:
+def pool_prompt_keys(
+    keys: torch.Tensor, prompt: torch.Tensor, pooling: str, n: int, check: bool = True
+) -> torch.Tensor:
     """keys [B, T, Hkv, D], prompt [B, T] bool (the row's prompt tokens) -> pooled [B, Hkv, D] float32.
 
     Per row, the same pooling as ``router.model.pool_keys`` ("boundary": mean over the first and last
     ``n`` prompt tokens, none counted twice; "whole": mean over all), as one differentiable einsum.
     """
     count = prompt.sum(1, keepdim=True)
-    if bool((count == 0).any()):
+    if check and bool((count == 0).any()):  # a host sync: the trainer checks its prompt lengths itself
         raise ValueError("cannot route a request with an empty prompt")
     if pooling == "whole":
         sel = prompt
@@ -41,7 +43,7 @@ def pool_prompt_keys(keys: torch.Tensor, prompt: torch.Tensor, pooling: str, n: 
         sel = prompt & ((rank < n) | (rank >= count - n))
     else:
         raise ValueError(f"unknown pooling {pooling!r}")
-    w = sel.float() / sel.sum(1, keepdim=True).float()
+    w = sel.float() / sel.sum(1, keepdim=True).float().clamp(min=1.0)
     return torch.einsum("bt,bthd->bhd", w, keys.float())
 
 
@@ -68,7 +70,7 @@ def _route(state: ElasticState, module, layer: int, k_pos: torch.Tensor, k_valid
         prompt = k_valid
         if state.train is not None:
             prompt = prompt & (k_pos < state.train.prompt_lens.to(dev)[:, None])
-        pooled = pool_prompt_keys(keys, prompt, cfg.pooling, cfg.pool_tokens)
+        pooled = pool_prompt_keys(keys, prompt, cfg.pooling, cfg.pool_tokens, check=state.train is None)
         logits = state.router(layer, pooled)  # [B, Hkv, 2] float32
         state.num_router_calls += 1
     r = None

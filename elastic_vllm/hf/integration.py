@@ -77,6 +77,7 @@ def enable_elastic(
 
     router: an ElasticRouter, a router checkpoint folder, or None (then ``cfg.router_path`` if set;
     with no router at all only ``cfg.force`` in {"all-FA", "all-SA"} or ``state.fixed_routing`` route).
+    cfg None with a checkpoint folder: the attention config the router was trained with.
     impl: "torch" (PyTorch, CPU and GPU), "triton" (``elastic_vllm.csrc`` kernels, inference only),
     "reference" (the plain oracle of ``elastic_vllm.reference``, slow) or "auto" (triton on a CUDA
     model when the kernels import, else torch). Training always runs the torch (or reference) path.
@@ -89,6 +90,8 @@ def enable_elastic(
         on_gpu = next(model.parameters()).device.type == "cuda"
         impl = "triton" if on_gpu and triton_backend.available() else "torch"
     register()
+    if cfg is None and isinstance(router, (str, Path)):
+        cfg = config_of_router(router)  # the attention config the router was trained with
     cfg = ElasticConfig.parse(cfg)
     shape = BackboneShape.from_hf_config(model.config)
     mods = attention_modules(model)
@@ -121,9 +124,27 @@ def enable_elastic(
         state.hooks.append(src.register_forward_hook(_key_hook(m, shape)))
     base = _base_model(model)
     state.hooks.append(base.register_forward_pre_hook(_forward_pre_hook(state, base), with_kwargs=True))
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    _set_attn_implementation(model, ATTN_IMPLEMENTATION)
     model.elastic_state = state
     return state
+
+
+def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+        return
+    for m in model.modules():  # older transformers: the configs carry it
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = name
+
+
+def config_of_router(path: str | Path) -> ElasticConfig:
+    """The ElasticConfig recorded in a router checkpoint's metadata (fields this build knows)."""
+    from elastic_vllm.router.checkpoint import read_meta
+
+    att = read_meta(path).attention
+    return ElasticConfig.parse({k: v for k, v in att.items() if k in ElasticConfig.model_fields and k != "router_path"})
 
 
 def disable_elastic(model: torch.nn.Module, attn_implementation: str = "sdpa") -> None:
@@ -138,7 +159,7 @@ def disable_elastic(model: torch.nn.Module, attn_implementation: str = "sdpa") -
             if hasattr(m, a):
                 delattr(m, a)
     model.elastic_state = None
-    model.set_attn_implementation(attn_implementation)
+    _set_attn_implementation(model, attn_implementation)
 
 
 def _key_hook(attn: torch.nn.Module, shape: BackboneShape):

@@ -107,13 +107,7 @@ def ssa_attention_banded(
     vs = v[:, :, None, :S].expand(B, Hq, nb, S, D)
     kc = torch.cat([ks, kw], dim=3)  # [B, Hq, nb, S + 2W, D]
     vc = torch.cat([vs, vw], dim=3)
-    b_idx = torch.arange(nb, device=dev)[:, None, None]
-    i = b_idx * W + torch.arange(W, device=dev)[None, :, None]  # [nb, W, 1] query positions
-    p_sink = torch.arange(S, device=dev)[None, None, :]
-    p_win = (b_idx - 1) * W + torch.arange(2 * W, device=dev)[None, None, :]  # [nb, 1, 2W]
-    m_sink = (p_sink < (b_idx - 1) * W).expand(nb, W, S)
-    m_win = (p_win >= 0) & (p_win <= i) & ((i - p_win < W) | (p_win < S))
-    mask = torch.cat([m_sink, m_win], dim=2)  # [nb, W, S + 2W]
+    mask = _banded_mask(nb, W, S, dev)  # [nb, W, S + 2W]
     # blocks go to the batch dimension: [B * nb, Hq, ...] with the mask broadcast over heads
     qf = qb.transpose(1, 2).reshape(B * nb, Hq, W, D)
     kf = kc.transpose(1, 2).reshape(B * nb, Hq, S + 2 * W, D)
@@ -121,6 +115,28 @@ def ssa_attention_banded(
     mf = mask[None].expand(B, nb, W, S + 2 * W).reshape(B * nb, 1, W, S + 2 * W)
     o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mf, scale=scale)  # [B*nb, Hq, W, D]
     return o.view(B, nb, Hq, W, D).transpose(1, 2).reshape(B, Hq, nb * W, D)[:, :, :T]
+
+
+_BANDED_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def _banded_mask(nb: int, W: int, S: int, dev: torch.device) -> torch.Tensor:
+    """The [nb, W, S + 2W] visibility of ``ssa_attention_banded``; every layer of a forward shares it
+    (cached: ~10 fewer kernel launches per layer, which is what bounds a 135M model's step time)."""
+    key = (nb, W, S, str(dev))
+    m = _BANDED_MASKS.get(key)
+    if m is None:
+        b_idx = torch.arange(nb, device=dev)[:, None, None]
+        i = b_idx * W + torch.arange(W, device=dev)[None, :, None]  # [nb, W, 1] query positions
+        p_sink = torch.arange(S, device=dev)[None, None, :]
+        p_win = (b_idx - 1) * W + torch.arange(2 * W, device=dev)[None, None, :]  # [nb, 1, 2W]
+        m_sink = (p_sink < (b_idx - 1) * W).expand(nb, W, S)
+        m_win = (p_win >= 0) & (p_win <= i) & ((i - p_win < W) | (p_win < S))
+        m = torch.cat([m_sink, m_win], dim=2)
+        if len(_BANDED_MASKS) >= 16:
+            _BANDED_MASKS.clear()
+        _BANDED_MASKS[key] = m
+    return m
 
 
 def masked_attention(
@@ -142,10 +158,14 @@ def masked_attention(
 
 
 def mix_heads(o_fa: torch.Tensor, o_sa: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """out = r_fa * O_fa + r_sa * O_sa per KV head. o_* [B, Hq, T, D], r [B, Hkv, 2] (index 1 = FA)."""
+    """out = r_fa * O_fa + r_sa * O_sa per KV head. o_* [B, Hq, T, D], r [B, Hkv, 2] (index 1 = FA).
+
+    Mixed in float32 (then cast back): the router's gradient sum(g * (O_fa - O_sa)) over T x D
+    elements would lose most of its bits in bf16.
+    """
     G = o_fa.shape[1] // r.shape[1]
-    r = r.to(o_fa.dtype).repeat_interleave(G, dim=1)[:, :, None, None, :]  # [B, Hq, 1, 1, 2]
-    return r[..., 1] * o_fa + r[..., 0] * o_sa
+    r = r.float().repeat_interleave(G, dim=1)[:, :, None, None, :]  # [B, Hq, 1, 1, 2]
+    return (r[..., 1] * o_fa.float() + r[..., 0] * o_sa.float()).to(o_fa.dtype)
 
 
 def xa_block_masks(
