@@ -229,6 +229,7 @@ class ElasticAttentionImpl(compat.AttentionImpl[ElasticMetadata]):
                 md.num_decode_tokens,
                 md.max_query_len,
                 md.max_seq_len,
+                st.cfg.uses_xattn,
             )
         observe.COUNTERS.forward_calls += 1
         return output

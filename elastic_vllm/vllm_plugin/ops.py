@@ -14,8 +14,9 @@ Both implementations compute what ``elastic_vllm.reference.attention.hybrid_atte
   cache, SDPA with a bottom-right causal mask for FA heads, a restricted key range (sink + window,
   query tiles) for SSA heads, the reference XAttention selection for XA heads. An SSA head whose
   sequence fits in the window is exactly FA and runs with the FA heads.
-- ``triton``: ``elastic_vllm.csrc`` kernels (prefill over the paged cache with per-(request, KV head)
-  modes; split-KV decode). Selected with ``ELASTIC_VLLM_OPS=triton`` or
+- ``triton``: ``elastic_vllm.csrc`` kernels (one-launch hybrid prefill over the paged cache with
+  per-(request, KV head) modes, XAttention selection, split-KV decode; the fused router in
+  ``routing.TritonRouter``). Selected with ``ELASTIC_VLLM_OPS=triton`` or
   ``--additional-config '{"elastic_ops": "triton"}'``; the default ``auto`` is triton on CUDA and
   torch elsewhere. On a CPU it runs under TRITON_INTERPRET=1 (tests only: slow).
 """
@@ -177,13 +178,13 @@ def torch_attention(
 def triton_kernels():
     """The csrc kernel modules; a clear error when they are not importable."""
     try:
-        from elastic_vllm.csrc import decode, prefill
+        from elastic_vllm.csrc import decode, prefill, xattn_select
     except ImportError as e:
         raise RuntimeError(
-            f"elastic: ops=triton needs the Triton kernels of elastic_vllm.csrc (prefill, decode), "
+            f"elastic: ops=triton needs the Triton kernels of elastic_vllm.csrc (prefill, decode, xattn_select), "
             f"which are not importable here ({e}); use ops=torch (ELASTIC_VLLM_OPS=torch)"
         ) from None
-    return prefill, decode
+    return prefill, decode, xattn_select
 
 
 def triton_attention(
@@ -200,14 +201,17 @@ def triton_attention(
     num_decode_tokens: int,
     max_query_len: int,
     max_seq_len: int,
+    uses_xattn: bool = False,
 ) -> torch.Tensor:
-    """Decode rows (first ``num_decodes``: the builder reorders single-token rows to the front) go
-    to the split-KV decode kernel, the rest to the hybrid prefill kernel. No host sync: every
-    argument is a device tensor or a host int known at build time (CUDA-graph safe)."""
-    prefill, decode = triton_kernels()
+    """Single-token rows (the first ``num_decodes``: the builder has vLLM put them first) go to the
+    split-KV decode kernel (``decode.decode_attention``; XA heads read every key there), the other
+    rows to the one-launch hybrid prefill (``prefill.prefill_attention``), with XAttention block
+    selection (``xattn_select.xattn_select``) first when the mode has XA heads. No host sync: every
+    argument is a device tensor or a host int fixed at build time (CUDA-graph safe for decodes)."""
+    prefill, decode, xsel = triton_kernels()
     B = seq_lens.shape[0]
     if num_decodes:
-        decode.hybrid_decode(
+        decode.decode_attention(
             q[:num_decode_tokens],
             key_cache,
             value_cache,
@@ -216,24 +220,23 @@ def triton_attention(
             head_modes[:num_decodes],
             sink=p.sink,
             window=p.window,
+            max_seq_len=max_seq_len,
             scale=p.scale,
             out=out[:num_decode_tokens],
         )
     if num_decodes < B:
+        qp, bt = q[num_decode_tokens:], block_table[num_decodes:]
         qsl = query_start_loc[num_decodes:] - num_decode_tokens
-        prefill.hybrid_prefill(
-            q[num_decode_tokens:],
-            key_cache,
-            value_cache,
-            block_table[num_decodes:],
-            qsl,
-            seq_lens[num_decodes:],
-            head_modes[num_decodes:],
-            sink=p.sink,
-            window=p.window,
-            scale=p.scale,
-            out=out[num_decode_tokens:],
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-        )
+        sl, hm = seq_lens[num_decodes:], head_modes[num_decodes:]
+        xa_idx = xa_cnt = None
+        if uses_xattn:
+            mq, mk = xsel.xattn_max_blocks(max_query_len, max_seq_len, p.xattn_block)
+            xa_idx, xa_cnt = xsel.xattn_select(
+                qp, key_cache, bt, qsl, sl, hm, max_q_blocks=mq, max_k_blocks=mk,
+                stride=p.xattn_stride, block=p.xattn_block, threshold=p.xattn_threshold, scale=p.scale,
+            )  # fmt: skip
+        prefill.prefill_attention(
+            qp, key_cache, value_cache, bt, qsl, sl, hm, sink=p.sink, window=p.window, scale=p.scale,
+            out=out[num_decode_tokens:], xa_block_idx=xa_idx, xa_block_cnt=xa_cnt, xattn_block=p.xattn_block,
+        )  # fmt: skip
     return out

@@ -41,6 +41,8 @@ class RouteBatch:
     """Device tensors of this step's routing rows (R rows, N pooled tokens)."""
 
     rows: torch.Tensor  # [R] long: batch rows
+    ends: torch.Tensor  # [R] int32: routed prefix length of each row
+    block_table: torch.Tensor  # [B, max_blocks] int32 of this step
     force: torch.Tensor  # [R] int8: FORCE_CODE
     decode_phase: torch.Tensor  # [R] bool
     token_row: torch.Tensor  # [N] long: routing row of each pooled token
@@ -78,6 +80,8 @@ def build_route_batch(
     final = [(i, r.final_slot) for i, r in enumerate(rows) if r.final_slot is not None]
     return RouteBatch(
         rows=batch_rows,
+        ends=torch.tensor([r.end for r in rows], dtype=torch.int32).to(dev, non_blocking=True),
+        block_table=block_table,
         force=torch.tensor([FORCE_CODE[r.force] for r in rows], dtype=torch.int8).to(dev, non_blocking=True),
         decode_phase=torch.tensor([r.decode_phase for r in rows], dtype=torch.bool).to(dev, non_blocking=True),
         token_row=token_row,
@@ -124,11 +128,12 @@ def route_layer(
     rope: RopeSpec,
     cfg: ElasticConfig,
     num_kv_heads: int,
+    kernel: TritonRouter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Route the rows of ``rb`` at ``layer``.
+    """Route the rows of ``rb`` at ``layer`` (with ``kernel``: the fused Triton router).
 
     Returns (logits [R, Hkv, 2] float32 (zeros where no router ran), FA? [R, Hkv] bool,
-    prefill head modes [R, Hkv] int8, pooled [R, Hkv, D] or None when every row is forced).
+    prefill head modes [R, Hkv] int8, pooled [R, Hkv, D] or None (forced rows, Triton router)).
     """
     R = rb.rows.numel()
     dev = key_cache.device
@@ -136,9 +141,12 @@ def route_layer(
     if rb.any_auto:
         if router is None:
             raise RuntimeError("elastic: a request needs the router but none is loaded")
-        pooled = pooled_prerope_keys(key_cache, rb, rope)
-        with torch.no_grad():
-            logits = router(layer, pooled)
+        if kernel is not None:
+            logits = kernel.logits(layer, key_cache, rb, cfg)
+        else:
+            pooled = pooled_prerope_keys(key_cache, rb, rope)
+            with torch.no_grad():
+                logits = router(layer, pooled)
         fa = decide(logits)
     else:
         logits = torch.zeros(R, num_kv_heads, 2, dtype=torch.float32, device=dev)
@@ -146,3 +154,42 @@ def route_layer(
     force = rb.force.view(-1, 1)
     fa = torch.where(force == FORCE_CODE["all-FA"], True, torch.where(force == FORCE_CODE["all-SA"], False, fa))
     return logits, fa, decisions_to_modes(fa, cfg), pooled
+
+
+class TritonRouter:
+    """The fused router kernel (``elastic_vllm.csrc.route``): gather, RoPE inversion, pooling and both
+    MLPs of all routing rows of one layer in one launch; its logits feed the same decision code."""
+
+    def __init__(
+        self, router: ElasticRouter, rope: RopeSpec, num_layers: int, num_kv_heads: int, max_rows: int, device
+    ):
+        from elastic_vllm.csrc.route import pack_router_weights
+
+        self.weights = pack_router_weights(router).to(device).contiguous()
+        self.inv_freq = rope.inv_freq.to(device, torch.float32)
+        self.scaling = float(rope.attention_scaling)
+        # the kernel also writes decisions into a table; ours come from its logits, so a scratch one
+        self.scratch = torch.zeros(max_rows, num_layers, num_kv_heads, dtype=torch.int8, device=device)
+        self.slots = torch.arange(max_rows, dtype=torch.int32, device=device)
+
+    def logits(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch, cfg: ElasticConfig) -> torch.Tensor:
+        from elastic_vllm.csrc.route import route
+
+        R = rb.rows.numel()
+        out = torch.empty(R, key_cache.shape[2], 2, dtype=torch.float32, device=key_cache.device)
+        route(
+            key_cache,
+            rb.block_table,
+            rb.rows.to(torch.int32),
+            rb.ends,
+            self.slots[:R],
+            self.weights,
+            layer,
+            self.scratch,
+            inv_freq=self.inv_freq,
+            attention_scaling=self.scaling,
+            pool_tokens=cfg.pool_tokens,
+            pooling=cfg.pooling,
+            logits_out=out,
+        )
+        return out

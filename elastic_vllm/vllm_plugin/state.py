@@ -57,7 +57,14 @@ from elastic_vllm.sparsity import omega_esr, omega_msr
 from elastic_vllm.vllm_plugin import compat, observe
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import effective_force, request_override
-from elastic_vllm.vllm_plugin.routing import RouteBatch, RouteRow, build_route_batch, decode_modes, route_layer
+from elastic_vllm.vllm_plugin.routing import (
+    RouteBatch,
+    RouteRow,
+    TritonRouter,
+    build_route_batch,
+    decode_modes,
+    route_layer,
+)
 
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
 
@@ -213,11 +220,10 @@ class EngineState(compat.RunnerObserver):
             raise RuntimeError(f"elastic: rank holds {self.num_kv_heads} KV heads, expected {len(self.kv_heads)}")
         self.device = torch.device(vllm_config.device_config.device)
         self.ops = resolve_ops(ops_requested, self.device)
-        if self.ops == "triton" and self.cfg.uses_xattn:
-            raise ConfigError(
-                f"elastic: mode {self.cfg.mode} needs XAttention selection, which the Triton path does not run "
-                "yet; use mode FA-SSA or ops=torch"
-            )
+        if self.ops == "triton":
+            from elastic_vllm.vllm_plugin.ops import triton_kernels
+
+            triton_kernels()  # fail at startup, naming the problem, when the kernels cannot load
         self.router = None
         self.router_path = None
         self._load_router()
@@ -291,6 +297,11 @@ class EngineState(compat.RunnerObserver):
         self.row_modes = torch.zeros(L, max_rows, H, dtype=torch.int32, device=device)
         self.free_slots = list(range(self.num_slots - 2, -1, -1))
         self.timer = _Timer(device)
+        self.kernel_router = (
+            TritonRouter(self.router, self.rope, L, H, max_rows, device)
+            if self.ops == "triton" and self.router is not None
+            else None
+        )
         self.attached = True
 
     # --- request lifecycle (RunnerObserver) -----------------------------------------------------
@@ -418,6 +429,8 @@ class EngineState(compat.RunnerObserver):
             modes = torch.where(dec[:, None, None], decode_modes(modes, self.cfg.decode_mode), modes)
         self.row_modes[:, :B].copy_(modes.transpose(0, 1))
         route = None
+        if route_rows and any(slot != self.dense_slot for slot in slot_of_row):
+            observe.COUNTERS.mixed_steps += 1
         if route_rows:
             route = build_route_batch(
                 route_rows, common.block_table_tensor, self.block_size, self.cfg.pooling, self.cfg.pool_tokens
@@ -445,7 +458,7 @@ class EngineState(compat.RunnerObserver):
     def route(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch) -> None:
         t0 = self.timer.start()
         logits, fa, modes, pooled = route_layer(
-            layer, key_cache, rb, self.router, self.rope, self.cfg, self.num_kv_heads
+            layer, key_cache, rb, self.router, self.rope, self.cfg, self.num_kv_heads, self.kernel_router
         )
         row_modes = torch.where(rb.decode_phase[:, None], decode_modes(modes, self.cfg.decode_mode), modes)
         self.row_modes[layer].index_copy_(0, rb.rows, row_modes.to(self.row_modes.dtype))
@@ -517,8 +530,9 @@ class EngineState(compat.RunnerObserver):
 
     def _esr(self, st: RequestState, modes: torch.Tensor) -> float:
         """Omega_ESR of the final head modes at the prompt length (``elastic_vllm.sparsity``). XA heads
-        use the blocks their prefill selected; query blocks this request did not select in XA mode
-        (earlier chunks in another mode, prefix-cache hits) count as dense."""
+        use the blocks their prefill selected (torch path); query blocks without a recorded selection
+        (earlier chunks in another mode, prefix-cache hits, and every block on the Triton path, whose
+        selection stays on the device) count as dense, so Omega_ESR is a lower bound there."""
         masks = None
         if (modes == HeadMode.XA).any():
             blk = self.cfg.xattn_block

@@ -59,7 +59,7 @@ def calibration_prompts(tok) -> list[list[int]]:
         tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
         for c in chats
     ]
-    texts += [make_needle_prompt(tok, 600, seed=s).text(tok) for s in range(3)]
+    texts.append(make_needle_prompt(tok, 300, seed=0).text(tok))
     return [tok(t).input_ids for t in texts]
 
 
@@ -103,3 +103,12 @@ def elastic_states():
     from elastic_vllm.vllm_plugin import state
 
     return state.live_states()
+
+
+def state_of(llm):
+    """The elastic EngineState of an in-process engine."""
+    from elastic_vllm.vllm_plugin import state
+
+    st = state.for_config(llm.llm_engine.vllm_config, create=False)
+    assert st is not None, "no elastic state for this engine"
+    return st

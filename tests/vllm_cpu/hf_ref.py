@@ -49,3 +49,22 @@ class HFReference:
         """[L, Hkv, 2] router logits for pooled keys [L, Hkv, D]."""
         with torch.no_grad():
             return torch.stack([router(layer, pooled[layer]) for layer in range(pooled.shape[0])])
+
+
+class HFElasticReference(HFReference):
+    """The transformers elastic model (``elastic_vllm.hf``: attn_implementation="elastic", the project's
+    reference engine): every layer routes from its own pre-RoPE keys during the prefill, with the
+    hybrid attention of the layers below, as the vLLM backend does for an unchunked prompt."""
+
+    def __init__(self, model_dir, cfg: dict, router_path, dtype=torch.float32):
+        from elastic_vllm.hf import load_elastic_model
+
+        self.model, self.tok = load_elastic_model(model_dir, cfg, router_path, dtype=dtype)
+        self.cfg = self.model.config
+        self.state = self.model.elastic_state
+
+    def route(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [L, Hkv, 2], pooled pre-RoPE keys [L, Hkv, D]) of one prompt's prefill."""
+        keys = self.prerope_keys(ids)
+        pooled = torch.stack([pool_keys(k, self.state.cfg.pooling, self.state.cfg.pool_tokens) for k in keys])
+        return self.state.last_logits[0].float().cpu(), pooled
