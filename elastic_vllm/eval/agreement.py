@@ -61,6 +61,10 @@ def _vllm_generate(model_dir, router, cfg: ElasticConfig, prompts: list[list[int
             routing.append(got[0].decisions.bool() if len(got) == 1 else None)
         forward_calls = observe.COUNTERS.forward_calls
     finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # best effort: an in-process engine core may not need it
+            pass
         del llm
         gc.collect()
     return tokens, routing, forward_calls
