@@ -206,3 +206,25 @@ def test_torchrun_two_processes_fsdp_matches_one_process(env, tmp_path):
     b = load_router(tmp_path / "one" / "router").router.state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
+def test_training_forward_backward_has_no_host_sync():
+    """Host syncs stall a launch-bound GPU step (a 135M model is): the training path must have none
+    between the forward's start and the end of backward (F.one_hot, .item(), bool(tensor) all sync)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from elastic_vllm.hf import enable_elastic
+    from elastic_vllm.hf.testing import tiny_model
+    from elastic_vllm.router.model import ElasticRouter
+    from elastic_vllm.train.data import Example
+    from elastic_vllm.train.loop import gumbel_noise, sequence_loss
+
+    model = tiny_model("qwen3")
+    state = enable_elastic(model, ELASTIC, ElasticRouter(3, 16).requires_grad_(True))
+    model.train()
+    ex = Example("t", "robust", tuple(range(60)), 50)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        res = sequence_loss(model, state, ex, gumbel_noise(0, 0, 0, 3, 2), 1.2, torch.device("cpu"))
+        (res["ce"] + res["omega"]).backward()
+    syncs = [e.name for e in prof.events() if e.name in ("aten::_local_scalar_dense", "aten::item")]
+    assert not syncs

@@ -14,7 +14,6 @@ transformers calls it from every attention layer with post-RoPE q [B, Hq, Q, D] 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from elastic_vllm.config import HeadMode
 from elastic_vllm.hf import ops
@@ -51,7 +50,8 @@ def gumbel_straight_through(logits: torch.Tensor, noise: torch.Tensor | None, ta
     """r = r_hard + r_soft - r_soft.detach(), r_soft = softmax((z + g) / tau). [..., 2], index 1 = FA."""
     z = logits if noise is None else logits + noise.to(logits)
     soft = torch.softmax(z / tau, dim=-1)
-    hard = F.one_hot(soft.argmax(-1), 2).to(soft.dtype)  # ties -> index 0 (SA), as decide()
+    # ties -> index 0 (SA), as decide(); no F.one_hot: it checks its input on the host (2 GPU syncs a layer)
+    hard = (soft.argmax(-1, keepdim=True) == torch.arange(2, device=soft.device)).to(soft.dtype)
     return hard + (soft - soft.detach())  # exactly hard in the forward
 
 
@@ -210,13 +210,16 @@ def elastic_attention_forward(
                 f"{None if state.routing is None else state.routing.shape[0]} rows; prefill the prompts through "
                 "this elastic model in one forward first"
             )
-        is_fa = state.routing[:, layer].to(dev)
-        if cfg.decode_mode == "sparse":
-            sa_now = HeadMode.SSA if sa_mode == HeadMode.SSA else HeadMode.FA  # XA heads are dense at decode
-            modes = torch.where(is_fa, int(HeadMode.FA), int(sa_now)).long()
-        else:
-            modes = torch.full_like(is_fa, int(HeadMode.FA), dtype=torch.long)
-        out = _compute(modes, query, key, value, ctx, cfg, scale, {})
+        cached = state.decode_cache.get(layer)
+        if cached is None or cached[0].device != dev:
+            is_fa = state.routing[:, layer].to(dev)
+            if cfg.decode_mode == "sparse":
+                sa_now = HeadMode.SSA if sa_mode == HeadMode.SSA else HeadMode.FA  # XA heads are dense at decode
+                modes = torch.where(is_fa, int(HeadMode.FA), int(sa_now)).long()
+            else:
+                modes = torch.full_like(is_fa, int(HeadMode.FA), dtype=torch.long)
+            cached = state.decode_cache[layer] = (modes, frozenset(modes.unique().tolist()))
+        out = _compute(cached[0], query, key, value, ctx, cfg, scale, {}, cached[1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -225,8 +228,11 @@ def _sa_equals_fa(cfg, length: int) -> bool:
     return cfg.mode == "FA-SSA" and length <= cfg.window
 
 
-def _compute(modes, q, k, v, ctx, cfg, scale, xa) -> torch.Tensor:
-    """Inference: each (row, KV head) in its HeadMode. -> [B, Hq, Q, D]."""
+def _compute(modes, q, k, v, ctx, cfg, scale, xa, present: frozenset | None = None) -> torch.Tensor:
+    """Inference: each (row, KV head) in its HeadMode. -> [B, Hq, Q, D].
+
+    ``present``: the set of modes in ``modes`` if known (saves a host sync).
+    """
     k_pos, k_valid, q_pos, q_valid, padded, impl = ctx
     if impl == "reference":
         return _reference(q, k, v, modes, k_valid, q_valid, xa, cfg, scale)
@@ -234,12 +240,13 @@ def _compute(modes, q, k, v, ctx, cfg, scale, xa) -> torch.Tensor:
         from elastic_vllm.hf import triton_backend
 
         return triton_backend.hybrid_attention(q, k, v, modes, k_valid, q_valid, padded, xa, cfg, scale)
-    present = set(modes.unique().tolist())
+    present = set(modes.unique().tolist()) if present is None else set(present)
     if len(present) == 1:
         return _attend_all(present.pop(), q, k, v, ctx, cfg, scale, xa)
     if not padded and q.shape[2] == k.shape[2] and present == {int(HeadMode.FA), int(HeadMode.SSA)}:
         # two cheap passes (flash + banded SSA) beat one pass under a T x T mask
         o_fa = ops.causal_attention(q, k, v, scale)
         o_sa = ops.ssa_attention_banded(q, k, v, cfg.sink, cfg.window, scale)
-        return ops.mix_heads(o_fa, o_sa, F.one_hot((modes == HeadMode.FA).long(), 2))
+        is_fa = (modes == HeadMode.FA)[..., None]
+        return ops.mix_heads(o_fa, o_sa, torch.cat([~is_fa, is_fa], -1).float())
     return ops.masked_attention(q, k, v, ops.head_masks(modes, q_pos, k_pos, k_valid, cfg, xa), scale)

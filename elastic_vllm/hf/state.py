@@ -64,6 +64,9 @@ class ElasticState:
     # the current forward, set by a pre-hook on the base model (attention modules read it)
     padding_mask: torch.Tensor | None = None  # bool [B, past + new] (True = real token), None = no padding
     in_prefill: bool = False
+    # per layer: (HeadMode [B, Hkv] on the device, the set of modes present) for decode steps, so
+    # that a decode step needs no host sync (filled at the first decode step of a request batch)
+    decode_cache: dict[int, tuple[torch.Tensor, frozenset]] = field(default_factory=dict)
     num_prefills: int = 0  # forwards that routed (one per request batch)
     num_router_calls: int = 0  # router forward calls (one per layer per prefill)
     hooks: list[Any] = field(default_factory=list)
@@ -88,6 +91,7 @@ class ElasticState:
     def set_config(self, **updates: Any) -> None:
         """Change knobs at run time, e.g. ``state.set_config(force="all-FA", decode_mode="sparse")``."""
         self.cfg = ElasticConfig.parse({**self.cfg.model_dump(), **updates})
+        self.decode_cache = {}
 
     # --- written by the forward pre-hook and the attention function -------------------------------
     def begin_prefill(self, batch: int, device: torch.device) -> None:
@@ -95,6 +99,7 @@ class ElasticState:
         self.routing = torch.zeros(batch, L, H, dtype=torch.bool, device=device)
         self.logits = None
         self.xa_masks = {}
+        self.decode_cache = {}
         self.num_prefills += 1
 
     def record(self, layer: int, is_fa: torch.Tensor, logits: torch.Tensor | None) -> None:

@@ -173,7 +173,7 @@ def sequence_loss(model, state, ex: Example, noise: torch.Tensor | None, tau: fl
     ce = F.cross_entropy(out.logits[0].float(), ids[0, P:])
     r = state.train.r_stack()  # [1, L, H, 2]
     logits = torch.stack([state.train.logits[i] for i in sorted(state.train.logits)], 1)
-    return {"ce": ce, "omega": r[..., 0].mean(), "omega_argmax": float((~decide(logits.detach())).float().mean())}
+    return {"ce": ce, "omega": r[..., 0].mean(), "omega_argmax": (~decide(logits.detach())).float().mean()}
 
 
 # --- checkpoints -----------------------------------------------------------------------------
@@ -329,13 +329,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             ((res["ce"] + reg) / cfg.batch_size).backward()
             state.train = None
             ti = tasks.index(ex.task)
-            stats[0] += res["ce"].item()
-            stats[1] += reg.item()
+            # one host sync per sequence for everything the log needs
+            ce_v, reg_v, om_v, oma_v, d_v = torch.stack([res["ce"], reg, res["omega"], res["omega_argmax"], d]).tolist()
+            stats[0] += ce_v
+            stats[1] += reg_v
             stats[2] += ex.num_tokens
-            stats[3 + 3 * ti : 6 + 3 * ti] += torch.tensor(
-                [1.0, res["omega"].item(), res["omega_argmax"]], dtype=torch.float64
-            )
-            cat_stats[c] += torch.tensor([1.0, abs(d.item())], dtype=torch.float64)
+            stats[3 + 3 * ti : 6 + 3 * ti] += torch.tensor([1.0, om_v, oma_v], dtype=torch.float64)
+            cat_stats[c] += torch.tensor([1.0, abs(d_v)], dtype=torch.float64)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         lam_grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lambdas.parameters()]
         _all_reduce_(grads + lam_grads, world)
