@@ -14,6 +14,7 @@ and reused by every layer (:func:`route_layer`): a few small kernels per layer, 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class RouteRow:
     force: str  # "auto" | "all-FA" | "all-SA"
     decode_phase: bool  # the row's queries lie past the prompt: decode_mode applies to its attention
     final_slot: int | None  # routing-table slot when this routing is the request's final one
+    sa_share: float | None = None  # benchmarks: fixed assignment with this SA share (fixed_share_fa)
 
 
 @dataclass
@@ -53,6 +55,28 @@ class RouteBatch:
     final_slots: torch.Tensor  # [F] long: their routing-table slots
     any_auto: bool  # some row needs the router (not every row forced)
     host: list[RouteRow]
+    share_idx: torch.Tensor | None = None  # [S] long: routing rows with a fixed SA share
+    share_fa: torch.Tensor | None = None  # [S, L, Hkv] bool: their fixed decisions (True = FA)
+
+
+def fixed_share_fa(share: float, num_layers: int, kv_heads: Sequence[int], total_kv_heads: int) -> torch.Tensor:
+    """A fixed head assignment with ``share`` of the KV heads of the model in SA (benchmarks).
+
+    Layer l gets ``c(l+1) - c(l)`` SA heads, ``c(l) = floor(share * H * l + 1/2)`` (H = total KV heads),
+    so the model-wide count is ``round(share * H * L)``; they are the heads ``c(l), c(l)+1, ...``
+    (mod H), so the SA heads rotate over the layers. ``kv_heads``: the global index of each local head
+    (tensor parallelism). Returns [L, len(kv_heads)] bool, True = FA. E.g. H=8, share 0.75: six SA
+    heads in every layer, starting at head 0, 6, 4, 2, 0, ...
+    """
+    H = total_kv_heads
+    c = [int(share * H * layer + 0.5) for layer in range(num_layers + 1)]
+    fa = torch.ones(num_layers, len(kv_heads), dtype=torch.bool)
+    for layer in range(num_layers):
+        n_sa = c[layer + 1] - c[layer]
+        for j, g in enumerate(kv_heads):
+            if (g - c[layer]) % H < n_sa:
+                fa[layer, j] = False
+    return fa
 
 
 def build_route_batch(
@@ -61,8 +85,10 @@ def build_route_batch(
     block_size: int,
     pooling: str,
     pool_tokens: int,
+    share_fa: Callable[[float], torch.Tensor] | None = None,
 ) -> RouteBatch:
-    """Gather indices of every routing row's pooled tokens, built on the block table's device."""
+    """Gather indices of every routing row's pooled tokens, built on the block table's device.
+    ``share_fa(share)`` gives the [L, Hkv] fixed decisions of rows with an ``sa_share``."""
     dev = block_table.device
     pos_list, row_list = [], []
     for i, r in enumerate(rows):
@@ -78,6 +104,13 @@ def build_route_batch(
     batch_rows = torch.tensor([r.row for r in rows], dtype=torch.long).to(dev, non_blocking=True)
     blocks = block_table.index_select(0, batch_rows)[token_row, pos // block_size].long()  # [N]
     final = [(i, r.final_slot) for i, r in enumerate(rows) if r.final_slot is not None]
+    shared = [(i, r.sa_share) for i, r in enumerate(rows) if r.sa_share is not None]
+    share_idx = share = None
+    if shared:
+        if share_fa is None:
+            raise RuntimeError("elastic: a routing row has an sa_share but no share_fa table was given")
+        share_idx = torch.tensor([i for i, _ in shared], dtype=torch.long).to(dev, non_blocking=True)
+        share = torch.stack([share_fa(v) for _, v in shared])
     return RouteBatch(
         rows=batch_rows,
         ends=torch.tensor([r.end for r in rows], dtype=torch.int32).to(dev, non_blocking=True),
@@ -92,6 +125,8 @@ def build_route_batch(
         final_slots=torch.tensor([s for _, s in final], dtype=torch.long).to(dev, non_blocking=True),
         any_auto=any(r.force == "auto" for r in rows),
         host=rows,
+        share_idx=share_idx,
+        share_fa=share,
     )
 
 
@@ -153,6 +188,8 @@ def route_layer(
         fa = torch.zeros(R, num_kv_heads, dtype=torch.bool, device=dev)
     force = rb.force.view(-1, 1)
     fa = torch.where(force == FORCE_CODE["all-FA"], True, torch.where(force == FORCE_CODE["all-SA"], False, fa))
+    if rb.share_idx is not None:  # fixed SA share (benchmarks): replaces router and force
+        fa = fa.index_copy(0, rb.share_idx, rb.share_fa[:, layer])
     return logits, fa, decisions_to_modes(fa, cfg), pooled
 
 

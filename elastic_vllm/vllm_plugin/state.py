@@ -30,7 +30,8 @@ When a row is routed (its request has no final routing yet):
   later step of the request;
 - a chunk that ends before the prompt does (chunked prefill): ``chunk_routing="prefix"`` routes it
   over the boundary of the prefix processed so far (tokens [0, end of this chunk)), for this chunk
-  only; ``"dense"`` runs it with every head FA. Requests forced to all-FA / all-SA use their force.
+  only; ``"dense"`` runs it with every head FA. Requests forced to all-FA / all-SA use their force;
+  requests with a fixed SA share (``elastic_sa_share``, benchmarks) use it for every chunk.
 
 The boundary keys are always read from the paged cache, so prefix-cache hits (first chunk starting
 past token 0) take the same path. Rows whose queries lie past the prompt (decode, or tokens
@@ -56,13 +57,14 @@ from elastic_vllm.router.checkpoint import BackboneShape, RouterCheckpointError,
 from elastic_vllm.sparsity import omega_esr, omega_msr
 from elastic_vllm.vllm_plugin import compat, observe
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
-from elastic_vllm.vllm_plugin.overrides import effective_force, request_override
+from elastic_vllm.vllm_plugin.overrides import effective_force, request_override, request_sa_share
 from elastic_vllm.vllm_plugin.routing import (
     RouteBatch,
     RouteRow,
     TritonRouter,
     build_route_batch,
     decode_modes,
+    fixed_share_fa,
     route_layer,
 )
 
@@ -143,6 +145,7 @@ class RequestState:
     prompt_len: int
     override: str  # the request's own elastic_force
     force: str  # effective: override, or the server's force when override is auto
+    sa_share: float | None = None  # benchmarks: fixed SA share replacing the decisions (elastic_sa_share)
     slot: int | None = None  # our allocator's slot (None with vLLM's req_idx)
     table_slot: int | None = None  # where its final routing sits in the table
     final: bool = False
@@ -238,6 +241,7 @@ class EngineState(compat.RunnerObserver):
         self.record_pooled = os.environ.get(RECORD_POOLED_ENV, "0") not in ("", "0")
         self.use_v2_runner = compat.uses_v2_model_runner(vllm_config)
         self.requests: dict[str, RequestState] = {}
+        self.share_tables: dict[float, torch.Tensor] = {}  # sa_share -> [L, Hkv] bool on the device
         self.rows: list[str | None] | None = None
         self.step_tokens: dict[str, int] = {}
         self.step_computed: dict[str, int] = {}
@@ -357,15 +361,17 @@ class EngineState(compat.RunnerObserver):
         extra = getattr(nr.sampling_params, "extra_args", None) if nr.sampling_params is not None else None
         try:
             override = request_override(extra)
+            sa_share = request_sa_share(extra)
         except ValueError as e:  # admission validates this; never take the engine down for it
             logger.error("elastic: request %s: %s; using the server default", nr.req_id, e)
             observe.COUNTERS.invalid_overrides += 1
-            override = "auto"
+            override, sa_share = "auto", None
         self.requests[nr.req_id] = RequestState(
             req_id=nr.req_id,
             prompt_len=prompt_len,
             override=override,
             force=effective_force(override, self.cfg.force),
+            sa_share=sa_share,
         )
 
     def _readmit(self, rid: str) -> None:
@@ -415,12 +421,12 @@ class EngineState(compat.RunnerObserver):
                 slot_of_row[b] = st.table_slot
                 decode_row[b] = decode_phase
             elif seq_len >= st.prompt_len:
-                route_rows.append(RouteRow(b, st.prompt_len, st.force, decode_phase, slot))
+                route_rows.append(RouteRow(b, st.prompt_len, st.force, decode_phase, slot, st.sa_share))
                 st.table_slot = slot
                 st.final = True
                 st.pending = True
-            elif st.force != "auto" or self.cfg.chunk_routing == "prefix":
-                route_rows.append(RouteRow(b, seq_len, st.force, False, None))
+            elif st.force != "auto" or st.sa_share is not None or self.cfg.chunk_routing == "prefix":
+                route_rows.append(RouteRow(b, seq_len, st.force, False, None, st.sa_share))
         # rows with a final routing (and dummy rows: the reserved all-FA slot) from the table
         idx = torch.tensor(slot_of_row, dtype=torch.long).to(self.device, non_blocking=True)
         modes = self.table_modes.index_select(0, idx)  # [B, L, H]
@@ -433,7 +439,12 @@ class EngineState(compat.RunnerObserver):
             observe.COUNTERS.mixed_steps += 1
         if route_rows:
             route = build_route_batch(
-                route_rows, common.block_table_tensor, self.block_size, self.cfg.pooling, self.cfg.pool_tokens
+                route_rows,
+                common.block_table_tensor,
+                self.block_size,
+                self.cfg.pooling,
+                self.cfg.pool_tokens,
+                share_fa=self.share_table,
             )
             observe.COUNTERS.routed_rows += len(route_rows)
         self.plan = StepPlan(route=route, rows=states, query_start_loc=qsl, seq_lens=self._host_seq_lens(common, B))
@@ -446,6 +457,14 @@ class EngineState(compat.RunnerObserver):
             return common.seq_lens[:B].tolist()
         ub = getattr(common, "seq_lens_cpu_upper_bound", None)
         return ub[:B].tolist() if ub is not None else common.seq_lens[:B].tolist()
+
+    def share_table(self, share: float) -> torch.Tensor:
+        """Fixed decisions [L, Hkv] (True = FA) of requests with ``elastic_sa_share`` = share, cached."""
+        t = self.share_tables.get(share)
+        if t is None:
+            fa = fixed_share_fa(share, self.num_layers, self.kv_heads, self.shape.num_kv_heads)
+            t = self.share_tables[share] = fa.to(self.device)
+        return t
 
     def _slot(self, st: RequestState) -> int:
         if st.slot is None:
