@@ -228,3 +228,24 @@ def test_training_forward_backward_has_no_host_sync():
         (res["ce"] + res["omega"]).backward()
     syncs = [e.name for e in prof.events() if e.name in ("aten::_local_scalar_dense", "aten::item")]
     assert not syncs
+
+
+def test_time_budget_fits_the_schedule_then_stops(env, tmp_path, monkeypatch):
+    """A fake clock (+1 s per reading): after the timed steps the planned steps shrink to fit the
+    budget and the LR schedule follows (ends near 0); a budget already spent stops at once."""
+    import types
+
+    import elastic_vllm.train.loop as loop
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(time=lambda: float(next(clock))))
+    monkeypatch.setattr(loop, "FINISH_RESERVE_S", 0.0)
+    summary, log = run(env, tmp_path / "fit", steps=40, batch_size=1, time_budget_s=30)
+    fitted = summary["steps_fitted_to_time_budget"]
+    assert 6 < fitted < 40 and summary["steps"] == len(log) <= fitted
+    assert log[-1]["lr_router"] < 0.2 * max(r["lr_router"] for r in log) or "stopped_early_at_step" in summary
+    assert (tmp_path / "fit" / "router" / "router.json").is_file()
+
+    summary, log = run(env, tmp_path / "spent", steps=40, batch_size=1, time_budget_s=1)
+    assert summary["stopped_early_at_step"] == 1 and len(log) == 1
+    assert (tmp_path / "spent" / "router" / "router.safetensors").is_file()

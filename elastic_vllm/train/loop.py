@@ -39,22 +39,25 @@ from elastic_vllm.train.config import CATEGORIES, TrainConfig
 from elastic_vllm.train.data import Example, load_examples, sample_order
 
 LOG_FILE = "train_log.jsonl"
+FINISH_RESERVE_S = 15.0  # router, summary and plots after the last step
 CKPT_DIR = "checkpoints"
 LATEST = "LATEST"
 
 
 # --- schedules -------------------------------------------------------------------------------
-def lr_factor(cfg: TrainConfig, step: int) -> float:
+def lr_factor(cfg: TrainConfig, step: int, total: int | None = None) -> float:
     """Linear warmup over the first ``warmup`` share of steps, then cosine to 0. ``step`` is 0-based."""
-    warm = int(cfg.warmup * cfg.steps)
+    total = cfg.steps if total is None else total
+    warm = int(cfg.warmup * total)
     if step < warm:
         return (step + 1) / warm
-    p = (step - warm) / max(1, cfg.steps - warm)
+    p = (step - warm) / max(1, total - warm)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, p)))
 
 
-def tau_at(cfg: TrainConfig, step: int) -> float:
-    p = step / max(1, cfg.steps - 1)
+def tau_at(cfg: TrainConfig, step: int, total: int | None = None) -> float:
+    total = cfg.steps if total is None else total
+    p = step / max(1, total - 1)
     if cfg.tau_schedule == "constant":
         return cfg.tau_init
     if cfg.tau_schedule == "exp":  # paper: max(tau_min, tau_init * exp(-r p))
@@ -120,6 +123,15 @@ def _all_reduce_(tensors: list[torch.Tensor], world: int) -> None:
         n = t.numel()
         t.copy_(flat[at : at + n].view_as(t))
         at += n
+
+
+def _agree(value: int, world: int, dev: torch.device) -> int:
+    """Rank 0's value on every rank (time-based decisions must not differ between ranks)."""
+    if world == 1:
+        return int(value)
+    t = torch.tensor([int(value)], device=dev)
+    _dist().broadcast(t, 0)
+    return int(t.item())
 
 
 def _shard_backbone(model: torch.nn.Module) -> None:
@@ -268,7 +280,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         ],
         betas=cfg.betas,
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s))
+    total = cfg.steps  # may shrink once, early, to fit time_budget_s (the schedules follow it)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s, total))
     meta = RouterMeta(
         backbone=meta_b,
         pooling={"mode": cfg.elastic.pooling, "tokens": cfg.elastic.pool_tokens},
@@ -304,15 +317,35 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         )
     params = list(router.parameters())
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
-    t_loop, stopped_early = time.time(), None
-    for step in range(start, end):
+    stopped_early, step = None, start
+    t_loop = t_cal = time.time()
+    while step < end:
         t0 = time.time()
         if cfg.time_budget_s is not None and step > start:
-            per_step = (t0 - t_loop) / (step - start)
-            if t0 - t_start + per_step > cfg.time_budget_s:
+            if step == start + 2:
+                t_cal = t0  # the first two steps pay for CUDA/kernel warm-up: not timed
+            if step == start + 6:  # fit the planned steps (and with them the schedules) to the budget
+                per_step = (t0 - t_cal) / 4
+                left = cfg.time_budget_s - (t0 - t_start) - FINISH_RESERVE_S
+                fit = _agree(min(total, step + max(1, int(left / per_step))), world, dev)
+                if fit < total:
+                    if rank == 0:
+                        print(
+                            f"train-router: {per_step:.2f} s/step; {total} steps would pass the time budget "
+                            f"of {cfg.time_budget_s:.0f} s: training {fit} steps (schedules follow)",
+                            file=sys.stderr,
+                        )
+                    total = fit
+                    end = min(end, total)
+                    if bar is not None:
+                        bar.total = total
+                        bar.refresh()
+            timed = step - start - 2
+            per_step = (t0 - t_cal) / timed if timed > 0 else (t0 - t_loop) / (step - start)
+            if _agree(int(t0 - t_start + per_step > cfg.time_budget_s), world, dev):
                 stopped_early = step
                 break
-        tau = tau_at(cfg, step)
+        tau = tau_at(cfg, step, total)
         batch = [next(stream) for _ in range(cfg.batch_size)]
         mine = list(range(rank * per_rank, (rank + 1) * per_rank))
         # per-rank sums, all-reduced for the log: [ce, reg, tokens] + per task [n, omega, omega_argmax]
@@ -376,7 +409,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if cat_stats[i, 0]:
                 rec["gap"][c] = float(cat_stats[i, 1] / cat_stats[i, 0])
         if rank == 0:
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            if (step + 1) % cfg.log_every == 0 or step + 1 == total:
                 with open(log_path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
             if bar is not None:
@@ -387,6 +420,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 save_checkpoint(out, step + 1, router, lambdas, opt, sched, meta, cfg.keep_checkpoints)
             if world > 1:
                 _dist().barrier()
+        step += 1
     if bar is not None:
         bar.close()
     if stopped_early is not None:
@@ -396,13 +430,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 file=sys.stderr,
             )
             save_checkpoint(out, stopped_early, router, lambdas, opt, sched, meta, cfg.keep_checkpoints)
-        end = cfg.steps  # finish: the router of the last step is the result
+        end = total  # finish: the router of the last step is the result
 
     summary: dict[str, Any] = {}
-    if rank == 0 and end == cfg.steps:
+    if rank == 0 and end == total:
         summary = _finish(cfg, out, router, lambdas, meta, examples, skipped, time.time() - t_start, dev)
+        extra = {}
+        if total != cfg.steps:
+            extra["steps_fitted_to_time_budget"] = total
         if stopped_early is not None:
-            summary["stopped_early_at_step"] = stopped_early
+            extra["stopped_early_at_step"] = stopped_early
+        if extra:
+            summary.update(extra)
             _write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     if world > 1:
         _dist().barrier()
