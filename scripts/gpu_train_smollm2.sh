@@ -9,9 +9,11 @@
 #   OUT_DIR   gets <= 8 files: router/router.safetensors, router/router.json, summary.json, train_log.jsonl,
 #             curves.png, train.out, measure.json + measure.md (MEASURE=1); the full run stays in $WORK
 #
-# Environment: STEPS (300), BATCH (8 sequences/step), TIME_BUDGET_S (300: the training loop stops early,
-# still writing the router, if the next step would pass it), MEASURE (0), NEEDLE_PER_LENGTH (20),
+# Environment: STEPS (300), BATCH (8 sequences/step), TIME_BUDGET_S (300 s from the trainer's start: after
+# 6 steps the planned steps, and with them the LR/tau schedules, shrink to fit it if needed; it stops early
+# as a last resort, still writing the router), MEASURE (0), NEEDLE_PER_LENGTH (20),
 # WORK (/tmp/elastic-router-train). Budget: ~6 minutes on one H200 for the training part.
+# Extra arguments go to train-router, e.g. `--target-sensitive 0.5 --router-lr 1e-3` (defaults: the paper's).
 # Wheels the GPU image lacks (pydantic and its deps, gguf) are installed from .whl/ when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
