@@ -272,7 +272,14 @@ class EngineState(compat.RunnerObserver):
                 )
         if path is None:
             return
-        ck = load_router(path, expect=self.shape, model_name=self.model_name, device=self.device)
+        # vLLM builds the model (and so this state) under the model's default dtype, e.g. bf16: the
+        # router is float32 whatever the backbone dtype, so its modules must be created in float32
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            ck = load_router(path, expect=self.shape, model_name=self.model_name, device=self.device)
+        finally:
+            torch.set_default_dtype(dtype)
         self.router = ck.router
         self.router_path = str(ck.path)
 

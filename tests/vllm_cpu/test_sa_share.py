@@ -80,3 +80,19 @@ def test_engine_state_applies_share_to_every_chunk_and_still_runs_the_router(tmp
     ev = observe.events("A")[0]
     assert ev.omega_msr == 0.5 and torch.equal(ev.head_modes.long(), want.long())
     assert ev.logits.abs().sum() > 0  # router cost is part of the request, its decisions are replaced
+
+
+def test_router_stays_float32_when_the_engine_builds_in_bf16(tmp_path):
+    """vLLM constructs the model (and the backend state) with the model dtype as torch's default."""
+    torch.manual_seed(1)
+    saved = ElasticRouter(L, 64)
+    path = save_test_router(saved, tmp_path / "r", HKV)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        st = EngineState(fake_vllm_config({"elastic": {"router_path": str(path)}}))
+    finally:
+        torch.set_default_dtype(before)
+    assert torch.get_default_dtype() == before
+    for (name, p), q in zip(st.router.named_parameters(), saved.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p, q), name
