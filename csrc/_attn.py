@@ -1,8 +1,18 @@
 """Triton building blocks shared by the prefill and decode kernels.
 
-``load_kv_tile`` reads one [BLOCK_N, D] tile of keys or values of one KV head from a vLLM-layout
-paged cache; ``attn_step`` folds one key/value tile into the running online-softmax state
-(log2 domain: scores are pre-multiplied by scale * log2(e), so exp2 is exact softmax).
+``kv_loop`` walks a run of key tiles of one KV head through a vLLM-layout paged cache and folds
+each into the running online-softmax state (``attn_tile``; log2 domain: scores are pre-multiplied
+by scale * log2(e), so exp2 is exact softmax). ``attn_step`` is the same step with its own
+block-table lookup (the XA loop, whose tiles come from a list).
+
+Why ``kv_loop`` fetches block ids one tile ahead: when a K/V address depends on a block-table load
+made in the same iteration, Triton 3.6's software pipeliner puts that load in its own stage, issues
+the K/V copies for tile i+1 at the END of iteration i and waits for them (``async_wait num=0``) at
+the top of iteration i+1, so every tile pays the full memory latency (seen in the sm_90 TTGIR of
+the first GPU version: 288 TFLOP/s where FlexAttention, same 128x64 tiles, ran at 436). With the
+ids of tile i+1 loaded in iteration i and carried, the K/V loads no longer depend on a load of
+their own iteration: the pipeliner keeps two tiles in flight (``num=2``, three buffers), as for a
+contiguous cache.
 
 Visibility inside a masked step, token exact (key j, query position i)::
 
@@ -114,49 +124,93 @@ def attn_step(
 
 
 @triton.jit
-def softmax_pv(acc, l_i, m_i, b_s, p_v, p_bt, k0, seq_len, s_vb, s_vt, o_d, qk_scale,
-               BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               TILE_IN_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
-    """Online-softmax update with unmasked raw scores b_s [BM, BN] of the tile at k0, then P.V."""
-    m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+def tile_blocks(p_bt, k0, seq_len, BS: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_BLOCK: tl.constexpr):
+    """Physical block ids of the key tile at k0: a scalar when the tile lies in one block, else one
+    per key ([BLOCK_N]); 0 for keys at or past seq_len (never dereferenced unmasked)."""
+    if TILE_IN_BLOCK:
+        return tl.load(p_bt + k0 // BS, mask=k0 < seq_len, other=0)
+    else:
+        o_n = k0 + tl.arange(0, BLOCK_N)
+        return tl.load(p_bt + o_n // BS, mask=o_n < seq_len, other=0)
+
+
+@triton.jit
+def load_tile_at(p_cache, blk, k0, seq_len, s_blk, s_tok, o_d,
+                 BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_D] keys or values at k0 given the tile's block ids (``tile_blocks``)."""
+    o_n = k0 + tl.arange(0, BLOCK_N)
+    if TILE_IN_BLOCK:
+        o_row = blk.to(tl.int64) * s_blk + ((k0 % BS) + tl.arange(0, BLOCK_N)).to(tl.int64) * s_tok  # [BN]
+    else:
+        o_row = blk.to(tl.int64) * s_blk + (o_n % BS).to(tl.int64) * s_tok  # [BN]
+    p_t = p_cache + o_row[:, None] + o_d[None, :]  # [BN, BD]
+    if MASKED:
+        # positions past seq_len may hold anything (even NaN bit patterns): load zeros there
+        m_t = (o_n < seq_len)[:, None]
+        if BLOCK_D != HEAD_DIM:
+            m_t = m_t & (o_d < HEAD_DIM)[None, :]
+        b_t = tl.load(p_t, mask=m_t, other=0.0)
+    else:
+        if BLOCK_D != HEAD_DIM:
+            b_t = tl.load(p_t, mask=(o_d < HEAD_DIM)[None, :], other=0.0)
+        else:
+            b_t = tl.load(p_t)
+    return b_t
+
+
+@triton.jit
+def attn_tile(acc, l_i, m_i, b_q, k_src, v_src, blk, k0, q_pos, seq_len, eff_sink, eff_window,
+              s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+              BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+              DOT_PREC: tl.constexpr):  # fmt: skip
+    """One key tile into the online softmax. k_src/v_src: cache pointers (head offset included), or
+    with USE_TMA (unmasked tiles inside one block only) 2-D tensor descriptors over the caches seen
+    as [rows, cols] with row = block * r + token and column tma_col = head * head stride."""
+    if USE_TMA:
+        b_k = k_src.load([blk * r_k + k0 % BS, tma_col])  # [BN, D]
+    else:
+        b_k = load_tile_at(k_src, blk, k0, seq_len, s_kb, s_kt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
+                           TILE_IN_BLOCK, MASKED)  # fmt: skip
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BM, BN] raw scores
+    if MASKED:
+        i = q_pos[:, None]
+        j = (k0 + tl.arange(0, BLOCK_N))[None, :]
+        m_s = (j <= i) & ((j < eff_sink) | (i - j < eff_window))  # [BM, BN]
+        b_s = tl.where(m_s, b_s, float("-inf"))
+    # the scale (> 0) commutes with max, so it folds into one FMA per score: s * scale - m
+    m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)  # [BM]; m_i starts finite, so never -inf
     alpha = tl.exp2(m_i - m_new)
-    b_p = tl.exp2(b_s * qk_scale - m_new[:, None])
+    b_p = tl.exp2(b_s * qk_scale - m_new[:, None])  # [BM, BN]
     l_i = l_i * alpha + tl.sum(b_p, 1)
-    b_v, _o_n = load_kv_tile(
-        p_v, p_bt, k0, seq_len, s_vb, s_vt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False
-    )
+    if USE_TMA:
+        b_v = v_src.load([blk * r_v + k0 % BS, tma_col])
+    else:
+        b_v = load_tile_at(v_src, blk, k0, seq_len, s_vb, s_vt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
+                           TILE_IN_BLOCK, MASKED)  # fmt: skip
     acc = tl.dot(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, l_i, m_new
 
 
 @triton.jit
-def unmasked_loop_pipelined(acc, l_i, m_i, b_q, p_k, p_v, p_bt, lo, hi, seq_len, s_kb, s_kt, s_vb, s_vt, o_d,
-                            qk_scale, BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_D: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
-    """Unmasked tiles [lo, hi) with S(j+1) = Q K(j+1)^T issued before the softmax of tile j.
-
-    The two are independent, so an asynchronous tensor-core product can overlap the exp2/max work
-    (FlashAttention-3's intra-warpgroup overlap, left to the compiler's async wgmma). Costs one more
-    [BM, BN] fp32 score tile in registers.
-    """
-    if lo < hi:
-        b_k, _o_n0 = load_kv_tile(
-            p_k, p_bt, lo * BLOCK_N, seq_len, s_kb, s_kt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False
-        )
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BM, BN]
-        for i_n in range(lo, hi - 1):
-            b_k, _o_n = load_kv_tile(
-                p_k, p_bt, (i_n + 1) * BLOCK_N, seq_len, s_kb, s_kt, o_d,
-                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False,
-            )  # fmt: skip
-            b_s_next = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
-            acc, l_i, m_i = softmax_pv(
-                acc, l_i, m_i, b_s, p_v, p_bt, i_n * BLOCK_N, seq_len, s_vb, s_vt, o_d, qk_scale,
-                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
-            )  # fmt: skip
-            b_s = b_s_next
-        acc, l_i, m_i = softmax_pv(
-            acc, l_i, m_i, b_s, p_v, p_bt, (hi - 1) * BLOCK_N, seq_len, s_vb, s_vt, o_d, qk_scale,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
+def kv_loop(acc, l_i, m_i, b_q, k_src, v_src, p_bt, v_lo, v_hi, s_hi, w_lo, q_pos, seq_len, eff_sink,
+            eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+            BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+            DOT_PREC: tl.constexpr):  # fmt: skip
+    """Visible tiles v_lo..v_hi-1, tile v at key tile (v < s_hi ? v : w_lo + v - s_hi) (sink tiles,
+    then window tiles); the block ids of tile v+1 are loaded during tile v (see module docstring)."""
+    i_n = tl.where(v_lo < s_hi, v_lo, w_lo + v_lo - s_hi)
+    blk = tile_blocks(p_bt, i_n * BLOCK_N, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
+    for i_v in range(v_lo, v_hi):
+        i_n = tl.where(i_v < s_hi, i_v, w_lo + i_v - s_hi)
+        i_nx = tl.where(i_v + 1 < s_hi, i_v + 1, w_lo + i_v + 1 - s_hi)
+        blk_cur = blk
+        blk = tile_blocks(p_bt, i_nx * BLOCK_N, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
+        acc, l_i, m_i = attn_tile(
+            acc, l_i, m_i, b_q, k_src, v_src, blk_cur, i_n * BLOCK_N, q_pos, seq_len, eff_sink, eff_window,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, MASKED, USE_TMA, DOT_PREC,
         )  # fmt: skip
     return acc, l_i, m_i

@@ -27,12 +27,14 @@ lists, each with its own rows enabled.
 from __future__ import annotations
 
 import math
+import os
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from ._attn import attn_step, unmasked_loop_pipelined
+from ._attn import attn_step, kv_loop
 from ._common import (
     INDEX_DTYPES,
     MODE_DTYPES,
@@ -53,6 +55,8 @@ def _window_loops(
     b_q,
     p_k,
     p_v,
+    k_desc,
+    v_desc,
     p_bt,
     q_pos,
     q_lo,
@@ -66,13 +70,16 @@ def _window_loops(
     s_vt,
     o_d,
     qk_scale,
+    tma_col,
+    r_k,
+    r_v,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    PIPE_QK: tl.constexpr,
 ):
     """FA and SSA: sink tiles + window tiles for queries at positions q_lo..q_hi."""
     # sink tiles [0, s_hi); window tiles [w_lo, w_hi), never revisiting a sink tile
@@ -84,35 +91,31 @@ def _window_loops(
     f_hi = (q_lo + 1) // BLOCK_N
     u_lo = tl.minimum(tl.maximum(f_lo, w_lo), w_hi)
     u_hi = tl.maximum(tl.minimum(f_hi, w_hi), u_lo)
-    # 1) masked: sink tiles, then the window's leading edge [w_lo, u_lo)
-    n_a = s_hi + (u_lo - w_lo)
-    for i_v in range(0, n_a):
-        i_n = tl.where(i_v < s_hi, i_v, w_lo + i_v - s_hi)
-        acc, l_i, m_i = attn_step(
-            acc, l_i, m_i, b_q, p_k, p_v, p_bt, i_n * BLOCK_N, q_pos, q_pos, seq_len, eff_sink, eff_window,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
-        )  # fmt: skip
-    # 2) unmasked interior (the bulk of an FA head's work)
-    if PIPE_QK:
-        acc, l_i, m_i = unmasked_loop_pipelined(
-            acc, l_i, m_i, b_q, p_k, p_v, p_bt, u_lo, u_hi, seq_len, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
+    # 2) unmasked interior (the bulk of an FA head's work): the only loop that may use TMA
+    if USE_TMA:
+        acc, l_i, m_i = kv_loop(
+            acc, l_i, m_i, b_q, k_desc, v_desc, p_bt, u_lo, u_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, True, DOT_PREC,
         )  # fmt: skip
     else:
-        for i_n in range(u_lo, u_hi):
-            acc, l_i, m_i = attn_step(
-                acc, l_i, m_i, b_q, p_k, p_v, p_bt, i_n * BLOCK_N, q_pos, q_pos, seq_len, eff_sink, eff_window,
-                s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, False, DOT_PREC,
-            )  # fmt: skip
-    # 3) masked: the diagonal tiles
-    for i_n in range(u_hi, w_hi):
-        acc, l_i, m_i = attn_step(
-            acc, l_i, m_i, b_q, p_k, p_v, p_bt, i_n * BLOCK_N, q_pos, q_pos, seq_len, eff_sink, eff_window,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
+        acc, l_i, m_i = kv_loop(
+            acc, l_i, m_i, b_q, p_k, p_v, p_bt, u_lo, u_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, False, DOT_PREC,
         )  # fmt: skip
+    # 1) masked: sink tiles, then the window's leading edge [w_lo, u_lo)
+    acc, l_i, m_i = kv_loop(
+        acc, l_i, m_i, b_q, p_k, p_v, p_bt, 0, s_hi + (u_lo - w_lo), s_hi, w_lo, q_pos, seq_len, eff_sink,
+        eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
+    )  # fmt: skip
+    # 3) masked: the diagonal tiles
+    acc, l_i, m_i = kv_loop(
+        acc, l_i, m_i, b_q, p_k, p_v, p_bt, u_hi, w_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
+        s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
+    )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -186,6 +189,8 @@ def _prefill_kernel(
     head_mode_slots,
     xa_idx,
     xa_cnt,
+    k_desc,
+    v_desc,
     s_qt,
     s_qh,
     s_ot,
@@ -210,6 +215,8 @@ def _prefill_kernel(
     sink,
     window,
     qk_scale,
+    r_k,
+    r_v,
     G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -222,7 +229,7 @@ def _prefill_kernel(
     HAS_XA: tl.constexpr,
     XA_BLOCK: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    PIPE_QK: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     # heaviest first: program 0 takes the last query tile; the KV heads of one tile are adjacent
@@ -267,6 +274,7 @@ def _prefill_kernel(
     p_k = k_cache + i_h.to(tl.int64) * s_kh
     p_v = v_cache + i_h.to(tl.int64) * s_vh
     p_bt = block_table + i_b.to(tl.int64) * s_bt
+    tma_col = i_h * s_kh  # column of this head in the [rows, cols] descriptor view (USE_TMA)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -285,15 +293,15 @@ def _prefill_kernel(
             )  # fmt: skip
         else:
             acc, l_i, m_i = _window_loops(
-                acc, l_i, m_i, b_q, p_k, p_v, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink, eff_window,
-                s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC, PIPE_QK,
+                acc, l_i, m_i, b_q, p_k, p_v, k_desc, v_desc, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink,
+                eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, USE_TMA, DOT_PREC,
             )  # fmt: skip
     else:
         acc, l_i, m_i = _window_loops(
-            acc, l_i, m_i, b_q, p_k, p_v, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink, eff_window,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC, PIPE_QK,
+            acc, l_i, m_i, b_q, p_k, p_v, k_desc, v_desc, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink, eff_window,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, USE_TMA, DOT_PREC,
         )  # fmt: skip
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     b_o = acc / l_i[:, None]
@@ -302,15 +310,56 @@ def _prefill_kernel(
 
 
 def default_prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
-    """Tile sizes for Hopper (H100/H200): 128-row query tiles, 64-key tiles, 8 warps, 3 stages."""
+    """Tile sizes for Hopper (H100/H200). d <= 128: 128-row query tiles x 128-key tiles, 8 warps (two
+    warpgroups of 64 rows), 3 stages = three K/V buffers, 224 KB of shared memory at d 128 (H200,
+    first run: 128-key tiles 350 TFLOP/s vs 290 with 64-key tiles, before the pipelining fix)."""
     if interpret():
         # the interpreter's cost is per program and per op: big tiles, few programs
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 1}
-    if head_dim <= 64:
-        return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
     if head_dim <= 128:
-        return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
     return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+
+
+_TMA_FAILED: list[str] = []  # a TMA compile/launch failure seen in auto mode (then auto means off)
+
+
+def tma_unsupported(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: int) -> str | None:
+    """Why K/V tiles of ``block_n`` keys cannot be TMA (tensor-descriptor) loads, or None if they can.
+
+    The caches are seen as 2-D [rows, cols] views, row = block * (stride(0) / stride(1)) + token,
+    column = head * stride(2) + d, so one [block_n, D] box is one key tile of one head; that needs
+    the tile inside one physical block (block_size % block_n == 0) and 16-byte aligned rows.
+    """
+    nb, bs, _hkv, d = key_cache.shape
+    es = key_cache.element_size()
+    if bs % block_n:
+        return f"block_size {bs} is not a multiple of block_n {block_n}"
+    if d & (d - 1) or d < 16 or d > 256:
+        return f"head_dim {d} is not a power of two in [16, 256]"
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.stride(0) % c.stride(1) or (c.stride(1) * es) % 16 or c.data_ptr() % 16:
+            return f"{name}: strides {c.stride()} / address not 16-byte row aligned"
+        if ((nb - 1) * (c.stride(0) // c.stride(1)) + bs) >= 1 << 31:
+            return f"{name}: too many rows for a tensor descriptor"
+    if key_cache.stride(2) != value_cache.stride(2):
+        return "key_cache and value_cache head strides differ"
+    return None
+
+
+def _tma_descriptor(cache: torch.Tensor, block_n: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, bs, hkv, d = cache.shape
+    rows = (nb - 1) * (cache.stride(0) // cache.stride(1)) + bs
+    cols = (hkv - 1) * cache.stride(2) + d
+    return TensorDescriptor(cache, [rows, cols], [cache.stride(1), 1], [block_n, d])
+
+
+def _tma_capable(device: torch.device) -> bool:
+    if interpret() or os.environ.get("ELASTIC_PREFILL_TMA", "1") == "0" or _TMA_FAILED:
+        return False
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def prefill_attention(
@@ -334,7 +383,7 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    pipeline_qk: bool = False,
+    use_tma: bool | None = None,
 ) -> torch.Tensor:
     """Hybrid FA/SSA/XA causal attention for a varlen batch over a paged KV cache (one launch).
 
@@ -353,8 +402,10 @@ def prefill_attention(
             [B, Hkv, max_q_blocks] int32, the XA selection (format in the module docstring,
             produced by ``xattn_select``). Without them, XA heads run as FA.
         out: optional [T, Hq, D] output (written in place).
-        block_m, block_n, num_warps, num_stages: tuning overrides. pipeline_qk: issue the next
-            tile's Q.K^T before the current tile's softmax in the unmasked loop (experimental).
+        block_m, block_n, num_warps, num_stages: tuning overrides.
+        use_tma: load the unmasked K/V tiles with TMA (tensor descriptors; Hopper+, block_size a
+            multiple of block_n, see ``tma_unsupported``). None: when possible on sm_90+ (disable
+            with ELASTIC_PREFILL_TMA=0); True: required (ValueError otherwise); False: never.
 
     Returns:
         out [T, Hq, D] in q's dtype. No host synchronisation.
@@ -426,17 +477,36 @@ def prefill_attention(
     xc = xa_block_cnt if has_xa else block_table
     xis = xa_block_idx.stride()[:3] if has_xa else (0, 0, 0)
     xcs = xa_block_cnt.stride()[:2] if has_xa else (0, 0)
-    _prefill_kernel[grid](
+    if use_tma:
+        why = tma_unsupported(key_cache, value_cache, bn)
+        if why:
+            raise ValueError(f"use_tma: {why}")
+    auto_tma = use_tma is None and _tma_capable(dev) and tma_unsupported(key_cache, value_cache, bn) is None
+    tma = bool(use_tma) or auto_tma
+    args = (
         q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, head_modes, hm_slots, xi, xc,
+        _tma_descriptor(key_cache, bn) if tma else key_cache, _tma_descriptor(value_cache, bn) if tma else value_cache,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), head_modes.stride(0), head_modes.stride(1),
         xis[0], xis[1], xis[2], xcs[0], xcs[1],
         B, hkv, n_tiles, sink, window, scale * 1.4426950408889634,
+        key_cache.stride(0) // key_cache.stride(1), value_cache.stride(0) // value_cache.stride(1),
+    )  # fmt: skip
+    meta = dict(
         G=g, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=max(next_pow2(d), 16),
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, HAS_XA=has_xa,
-        XA_BLOCK=xattn_block, DOT_PREC=dot_precision(q.dtype), PIPE_QK=bool(pipeline_qk),
+        XA_BLOCK=xattn_block, DOT_PREC=dot_precision(q.dtype),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
+    if not auto_tma:
+        _prefill_kernel[grid](*args, USE_TMA=tma, **meta)
+        return out
+    try:
+        _prefill_kernel[grid](*args, USE_TMA=True, **meta)
+    except Exception as e:  # auto mode: a Triton without working TMA falls back to pointer loads, once
+        _TMA_FAILED.append(repr(e)[:300])
+        warnings.warn(f"prefill_attention: TMA variant failed ({e!r:.200}); using pointer loads", stacklevel=2)
+        _prefill_kernel[grid](*args[:11], key_cache, value_cache, *args[13:], USE_TMA=False, **meta)
     return out
