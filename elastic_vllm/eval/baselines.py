@@ -73,7 +73,7 @@ def calibration_prompts(
 ) -> list[dict]:
     """Needle prompts on essay stretches (``eval/needle.py``), with the needle value's character span.
 
-    Records: {"task": "calib", "length", "index", "input", "outputs": [value], "needle_span": [a, b]}.
+    Records: {"task": "calib", "length", "index", "input", "outputs": [value], "needle_span": [a, b], "prompt_tokens"}.
     """
     import tempfile
 
@@ -104,6 +104,7 @@ def calibration_prompts(
                         "input": text,
                         "outputs": [np_.answer],
                         "needle_span": [a, a + len(np_.answer)],
+                        "prompt_tokens": len(tokenizer.encode(text, add_special_tokens=False)),
                     }
                 )
     return rows

@@ -285,21 +285,34 @@ def _score(task_row: dict, pred: str, ref_pred: str | None) -> float:
     raise ValueError(f"unknown metric {metric!r}")
 
 
+def _run_batch(engine: HFEngine, task: str, batch: list[dict], opts) -> tuple[list, list, list]:
+    """(predictions, values, routings) of one batch; halves the batch and retries on CUDA out-of-memory."""
+    texts = [r["input"] for r in batch]
+    try:
+        if task == "cont":
+            vals, routes = engine.nll_last(texts, batch[0].get("score_tokens", 256))
+            return [None] * len(batch), vals, routes
+        cap = opts.max_new_tokens if task not in ROBUST else opts.max_new_tokens_robust
+        max_new = min(int(batch[0]["tokens_to_generate"]), cap)
+        preds, routes = engine.generate(texts, max_new, first_line=task == "code")
+        return preds, [None] * len(batch), routes
+    except torch.cuda.OutOfMemoryError:
+        if len(batch) == 1:
+            raise
+        torch.cuda.empty_cache()
+        h = len(batch) // 2
+        print(f"out of GPU memory at batch {len(batch)} ({task}); retrying as {h} + {len(batch) - h}", flush=True)
+        a, b = _run_batch(engine, task, batch[:h], opts), _run_batch(engine, task, batch[h:], opts)
+        return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
 def run_cell(engine: HFEngine, method: Method, rows: list[dict], st: RunState, opts) -> dict:
     """All samples of one (method, task, length); appends per-sample results to ``st``."""
     task = rows[0]["task"]
     length = rows[0]["length"]
     res = []
     for batch in _batches(rows, opts.batch_tokens):
-        texts = [r["input"] for r in batch]
-        if task == "cont":
-            vals, routes = engine.nll_last(texts, batch[0].get("score_tokens", 256))
-            preds = [None] * len(batch)
-        else:
-            cap = opts.max_new_tokens if task not in ROBUST else opts.max_new_tokens_robust
-            max_new = min(int(batch[0]["tokens_to_generate"]), cap)
-            preds, routes = engine.generate(texts, max_new, first_line=task == "code")
-            vals = [None] * len(batch)
+        preds, vals, routes = _run_batch(engine, task, batch, opts)
         for r, pred, val, route in zip(batch, preds, vals, routes):
             key = (task, length, r["index"])
             if method.name == "dense":
@@ -462,7 +475,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=["bfloat16", "float32", "float16"], help="default: bfloat16 on GPU, float32 on CPU"
     )
-    p.add_argument("--impl", default="torch", choices=["torch", "reference"])
+    p.add_argument(
+        "--impl", default="torch", choices=["torch", "triton", "auto", "reference"], help="elastic_vllm.hf path"
+    )
     p.add_argument("--sink", type=int, help="SSA sink (default: router.json attention block, else 128)")
     p.add_argument("--window", type=int, help="SSA window (default: router.json attention block, else 512)")
     p.add_argument("--batch-tokens", type=int, help="prompt tokens per batch (default 131072 GPU, 16384 CPU)")

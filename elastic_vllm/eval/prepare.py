@@ -56,6 +56,7 @@ def prepare(a: argparse.Namespace, argv: list[str], log=print) -> dict:
     man_path = Path(f"{prefix}_manifest.json")
     manifest = json.loads(man_path.read_text()) if man_path.is_file() else {}
     files = manifest.setdefault("files", {})
+    command = " ".join(shlex.quote(x) for x in argv)
     if a.only != "robust":
         t0 = time.perf_counter()
         dest = Path(f"{prefix}_ruler.jsonl.xz")
@@ -66,7 +67,10 @@ def prepare(a: argparse.Namespace, argv: list[str], log=print) -> dict:
             generate_ruler(a.model, a.lengths, a.samples, tmp, tasks=a.tasks, seed=a.seed, log=log)
             write_jsonl(dest, read_jsonl(tmp))
             tmp.unlink()
-        files["ruler"] = _describe(dest, {"tasks": a.tasks, "samples": a.samples, "seed": a.seed})
+        extra = {"command": command, "tasks": a.tasks, "samples": a.samples, "seed": a.seed}
+        if a.ruler_jsonl:  # records of an earlier generate_ruler run (same arguments), compressed here
+            extra["from_jsonl"] = Path(a.ruler_jsonl).name
+        files["ruler"] = _describe(dest, extra)
         log(f"{dest}: {files['ruler']['bytes'] / 1e6:.2f} MB ({time.perf_counter() - t0:.0f} s)")
     if a.only != "ruler":
         tok = AutoTokenizer.from_pretrained(a.model)
@@ -79,6 +83,7 @@ def prepare(a: argparse.Namespace, argv: list[str], log=print) -> dict:
         files["robust"] = _describe(
             dest,
             {
+                "command": command,
                 "tasks": list(ROBUST_TASKS),
                 "samples": counts,
                 "calib": a.calib,
@@ -87,9 +92,9 @@ def prepare(a: argparse.Namespace, argv: list[str], log=print) -> dict:
             },
         )
         log(f"{dest}: {files['robust']['bytes'] / 1e6:.2f} MB")
+    manifest.pop("command", None)  # per file now
     manifest.update(
         {
-            "command": " ".join(shlex.quote(x) for x in argv),
             "lengths": a.lengths,
             "tokenizer": Path(a.model).name,
             "generator": PACKAGE_REQ,
