@@ -11,6 +11,15 @@ from elastic_vllm.router.model import ElasticRouter
 pytestmark = pytest.mark.skipif(not triton_backend.available(), reason="triton / elastic_vllm.csrc not importable")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny models: one thread is several times faster than two on a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_auto_picks_torch_on_cpu():
     assert enable_elastic(tiny_model("llama"), {"force": "all-FA"}, impl="auto").impl == "torch"
 
