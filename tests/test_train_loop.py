@@ -249,3 +249,12 @@ def test_time_budget_fits_the_schedule_then_stops(env, tmp_path, monkeypatch):
     summary, log = run(env, tmp_path / "spent", steps=40, batch_size=1, time_budget_s=1)
     assert summary["stopped_early_at_step"] == 1 and len(log) == 1
     assert (tmp_path / "spent" / "router" / "router.safetensors").is_file()
+
+
+@pytest.mark.parametrize("mode", ["FA-XA", "XA-SSA"])
+def test_xattention_modes_train(env, tmp_path, mode):
+    """XA sides (block selection without gradient, dense per-head masks) train too."""
+    elastic = {**ELASTIC, "mode": mode, "xattn_block": 16, "xattn_stride": 4}
+    _, log = run(env, tmp_path / mode, steps=2, elastic=elastic)
+    assert all(torch.isfinite(torch.tensor(r["lm_loss"])) for r in log)
+    assert load_router(tmp_path / mode / "router").meta.attention["mode"] == mode
