@@ -123,8 +123,10 @@ def measure(
     dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "float32": torch.float32}.get(
         dtype, torch.bfloat16
     )
+    from elastic_vllm.hf.integration import config_of_router
+
     meta = read_meta(router)
-    cfg = {**meta.attention, "force": "auto", "router_path": None}
+    cfg = config_of_router(router).model_copy(update={"force": "auto"})
     t0 = time.time()
     model, tok = load_elastic_model(model_dir, cfg, router, dtype=dt, device=dev)
     res: dict[str, Any] = {
