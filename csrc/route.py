@@ -13,20 +13,22 @@ and every KV head of ONE layer::
 Everything runs in float32 (as ``ElasticRouter`` does), so decisions match the reference except
 where the two logits are within float32 rounding of each other.
 
-Work split: NC programs per request. Reading the ~1 MB of fp32 weights of a layer from one SM
-takes ~8 us; split over NC programs it takes ~8/NC us. Each MLP pair (Linear d->4d, SiLU,
-Linear 4d->d) is split along its hidden dimension, so program c needs only its hidden chunk and
-the pair's result is the sum of the NC partial products::
+Work split: two launches per layer, no spin barrier, no atomics on data (deterministic)::
 
-    phase 0: pool a 1/NC share of the boundary tokens         -> partial sums     | barrier
-    phase 1: Task MLP, hidden chunk c                         -> partial f        | barrier
-    phase 2: Router MLP layers 1-2, hidden chunk c            -> partial v
-             the last program to finish: v -> SiLU -> Linear(d, 2) -> argmax -> table
+    launch 1, grid (NS1, Hkv, R): program (s, h, r) pools head h of request r (~200 keys x d,
+              51 KB at d 128; every slice recomputes it, which is cheaper than a third launch)
+              and runs hidden slice s of the Task MLP: partial f[s] = W2[:, s] silu(W1[s] x + b1[s])
+    launch 2, grid (NS2, Hkv, R): f = sum_s partial f[s] + b2 (fixed order), hidden slice s2 of the
+              Router MLP: partial v[s2] = W4[:, s2] silu(W3[s2] f + b3[s2]); the last program of
+              (r, h) to finish (a counter, no waiting) sums the partials in slice order, applies
+              SiLU, Linear(d, 2), argmax, writes the table and re-arms the counter.
 
-``fused=True`` (GPU default) runs the three phases in ONE launch; the barriers are spin-waits on
-per-request counters (grid <= SM count, so all programs are resident; a spin limit turns a
-would-be hang into an error flag, see ``route_errors``). ``fused=False`` runs one launch per
-phase (used under the CPU interpreter, whose programs run one after another).
+Each program reads 1/NS of the ~1 MB of fp32 weights of a layer (coalesced rows of nn.Linear's own
+[out, in] layout), so no SM streams more than ~64 KB. "Whole" pooling (every prompt token) or a
+long boundary pool runs a third, token-parallel pooling launch first. RoPE's angles are
+``float(pos) * inv_freq`` as the reference computes them; their sin/cos come from a Cody-Waite
+reduction by pi/2 and minimax polynomials (~1e-7 absolute), not from libdevice (whose slow path
+for |angle| > 105615 - high frequencies past position ~105K - is a loop over local memory).
 """
 
 from __future__ import annotations
@@ -35,11 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, interpret, next_pow2, num_sms, prev_pow2
+from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, next_pow2
 
-MAX_SPINS = 1 << 20  # ~1 s of polling before a barrier gives up and flags an error
-
-_WS: dict = {}
+FUSED_POOL_MAX = 512  # pooled positions up to which launch 1 pools by itself (boundary default: 200)
+POOL_PROGRAMS = 32  # token-parallel pooling programs per (request, head) otherwise
 
 
 @triton.jit
@@ -48,179 +49,185 @@ def _silu(x):
 
 
 @triton.jit
-def _grid_barrier(p_cnt, n, p_err, max_spins):
-    """All n programs of a request arrive before any leaves (they are co-resident by construction)."""
-    tl.debug_barrier()  # this program's partial results are written
-    tl.atomic_add(p_cnt, 1, sem="acq_rel")
-    seen = tl.atomic_add(p_cnt, 0, sem="acquire")
-    spins = seen * 0
-    while (seen < n) & (spins < max_spins):
-        seen = tl.atomic_add(p_cnt, 0, sem="acquire")
-        spins += 1
-    tl.atomic_max(p_err, (seen < n).to(tl.int32))
-    tl.debug_barrier()
+def _sincos(x):
+    """sin(x), cos(x) for fp32 x >= 0: x = k pi/2 + r, |r| <= pi/4 (two-term Cody-Waite with FMAs,
+    exact to ~6e-8 up to |x| ~ 1e6), then degree-7/8 polynomials on r and the quadrant k mod 4."""
+    k = tl.floor(x * 0.6366197723675814 + 0.5)
+    r = tl.fma(k, -1.5707963705062866, x)  # fp32(pi/2)
+    r = tl.fma(k, 4.371139000186243e-08, r)  # fp32(pi/2) - pi/2
+    z = r * r
+    s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4))
+    c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5))
+    q = k.to(tl.int32) & 3
+    sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
+    cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
+    return sin, cos
 
 
-@triton.jit(do_not_specialize=["layer", "pool_tokens", "fa_value", "sa_value"])
-def _route_kernel(
-    key_cache,
-    block_table,
-    req_rows,
-    prompt_lens,
-    slots,
-    inv_freq,
-    weights,
-    table,
-    logits,
-    ws,  # fp32 [R, 3, NC, HKV * D]: pooled / task / router partials
-    cnt,  # int32 [R, 4]: barrier 0, barrier 1, finished programs, error flag
-    s_kb,
-    s_kt,
-    s_kh,
-    s_bt,
-    s_w,
-    s_t0,
-    s_t1,
-    s_t2,
-    layer,
-    pool_tokens,
-    attention_scaling,
-    fa_value,
-    sa_value,
-    max_spins,
-    NC: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HKV: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
-    HID: tl.constexpr,
-    CH: tl.constexpr,
-    ROT: tl.constexpr,
-    BS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    PHASE: tl.constexpr,  # -1: all phases in one launch; 0, 1, 2: that phase only
-    HAS_LOGITS: tl.constexpr,
-):
+@triton.jit
+def _pool_sums(key_cache, p_bt, i_h, k_first, k_end, k_step, pool_tokens, shift, inv_freq, s_kb, s_kt, s_kh,
+               HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """Sums over pooled positions k in [k_first, k_end) (runs of BLOCK_T tokens every k_step) of the
+    un-rotated keys of head i_h: first rotary half [BLOCK_HALF], second half, pass-through dims
+    [BLOCK_P] (position of pooled token k: k < pool_tokens ? k : k + shift). Not yet scaled."""
+    o_i = tl.arange(0, BLOCK_HALF)
+    m_i = o_i < HALF
+    o_p = tl.arange(0, BLOCK_P)
+    m_p = o_p < D - ROT
+    freq = tl.load(inv_freq + o_i, mask=m_i, other=0.0)  # [BHALF]
+    x1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    x2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    xp = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for k0 in range(k_first, k_end, k_step):
+        o_k = k0 + tl.arange(0, BLOCK_T)
+        m_k = o_k < k_end
+        pos = tl.where(o_k < pool_tokens, o_k, o_k + shift)  # [BT]
+        i_blk = tl.load(p_bt + pos // BS, mask=m_k, other=0).to(tl.int64)
+        o_row = i_blk * s_kb + (pos % BS).to(tl.int64) * s_kt + i_h * s_kh  # [BT]
+        m_2 = m_k[:, None] & m_i[None, :]
+        p_y = key_cache + o_row[:, None] + o_i[None, :]
+        y1 = tl.load(p_y, mask=m_2, other=0.0).to(tl.float32)  # [BT, BHALF]
+        y2 = tl.load(p_y + HALF, mask=m_2, other=0.0).to(tl.float32)
+        sin, cos = _sincos(pos.to(tl.float32)[:, None] * freq[None, :])  # the reference's fp32 angle
+        x1 += tl.sum(y1 * cos + y2 * sin, 0)  # masked entries are 0 in y1 and y2
+        x2 += tl.sum(y2 * cos - y1 * sin, 0)
+        if ROT < D:
+            yp = tl.load(key_cache + o_row[:, None] + ROT + o_p[None, :], mask=m_k[:, None] & m_p[None, :], other=0.0)
+            xp += tl.sum(yp.to(tl.float32), 0)
+    return x1, x2, xp
+
+
+@triton.jit(do_not_specialize=["pool_tokens"])
+def _route_pool_kernel(
+    key_cache, block_table, req_rows, prompt_lens, inv_freq, ws_pool, s_kb, s_kt, s_kh, s_bt, pool_tokens,
+    HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NPOOL: tl.constexpr,
+):  # fmt: skip
+    """Token-parallel pooling (long pools): program c sums token runs c, c + NPOOL, ... of head h."""
     i_c = tl.program_id(0)
-    i_r = tl.program_id(1)
-    HD: tl.constexpr = HKV * D
-    # packed per-layer weights (see pack_router_weights)
-    OFF_W1: tl.constexpr = 0
-    OFF_B1: tl.constexpr = OFF_W1 + HID * D
-    OFF_W2: tl.constexpr = OFF_B1 + HID
-    OFF_B2: tl.constexpr = OFF_W2 + D * HID
-    OFF_W3: tl.constexpr = OFF_B2 + D
-    OFF_B3: tl.constexpr = OFF_W3 + HID * D
-    OFF_W4: tl.constexpr = OFF_B3 + HID
-    OFF_B4: tl.constexpr = OFF_W4 + D * HID
-    OFF_W5: tl.constexpr = OFF_B4 + D
-    OFF_B5: tl.constexpr = OFF_W5 + 2 * D
-    p_w = weights + layer * s_w
-    p_ws = ws + i_r.to(tl.int64) * (3 * NC * HD)
-    p_cnt = cnt + i_r * 4
-
+    i_h = tl.program_id(1)
+    i_r = tl.program_id(2)
     n_len = tl.load(prompt_lens + i_r)
-    n_pool = tl.minimum(n_len, 2 * pool_tokens)  # pooled positions: k < pool_tokens ? k : k + shift
-    shift = n_len - n_pool
+    n_pool = tl.minimum(n_len, 2 * pool_tokens)
+    p_bt = block_table + tl.load(req_rows + i_r).to(tl.int64) * s_bt
+    x1, x2, xp = _pool_sums(
+        key_cache, p_bt, i_h, i_c * BLOCK_T, n_pool, NPOOL * BLOCK_T, pool_tokens, n_len - n_pool, inv_freq,
+        s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BLOCK_T, BS,
+    )  # fmt: skip
+    p_o = ws_pool + ((i_r * HKV + i_h) * NPOOL + i_c).to(tl.int64) * D
+    o_i = tl.arange(0, BLOCK_HALF)
+    o_p = tl.arange(0, BLOCK_P)
+    tl.store(p_o + o_i, x1, mask=o_i < HALF)
+    tl.store(p_o + HALF + o_i, x2, mask=o_i < HALF)
+    if ROT < D:
+        tl.store(p_o + ROT + o_p, xp, mask=o_p < D - ROT)
 
-    if PHASE <= 0:
-        # ---- phase 0: gather + un-RoPE + sum a 1/NC share of the boundary tokens
-        i_req = tl.load(req_rows + i_r).to(tl.int64)
-        p_bt = block_table + i_req * s_bt
-        per = tl.cdiv(n_pool, NC)
-        k_lo = i_c * per
-        k_hi = tl.minimum(k_lo + per, n_pool)
-        o_hd = tl.arange(0, BLOCK_HD)
-        o_h = o_hd // D
-        o_d = o_hd % D
-        m_hd = o_hd < HD
-        HALF: tl.constexpr = ROT // 2
-        is_rot = o_d < ROT
-        first = o_d < HALF
-        o_pd = tl.where(first, o_d + HALF, o_d - HALF)  # rotate_half partner
-        sign = tl.where(first, 1.0, -1.0)
-        freq = tl.load(inv_freq + o_d % HALF, mask=is_rot & m_hd, other=0.0)  # [BHD]
-        o_col = o_h.to(tl.int64) * s_kh + o_d
-        o_pcol = o_h.to(tl.int64) * s_kh + o_pd
-        b_sum = tl.zeros([BLOCK_HD], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_T):
-            o_k = k0 + tl.arange(0, BLOCK_T)
-            m_k = o_k < k_hi
-            pos = tl.where(o_k < pool_tokens, o_k, o_k + shift)  # [BT]
-            i_blk = tl.load(p_bt + pos // BS, mask=m_k, other=0).to(tl.int64)
-            o_row = i_blk * s_kb + (pos % BS).to(tl.int64) * s_kt  # [BT]
-            m_2 = m_k[:, None] & m_hd[None, :]
-            b_y = tl.load(key_cache + o_row[:, None] + o_col[None, :], mask=m_2, other=0.0).to(tl.float32)
-            b_yp = tl.load(key_cache + o_row[:, None] + o_pcol[None, :], mask=m_2 & is_rot[None, :], other=0.0).to(
-                tl.float32
-            )
-            ang = pos.to(tl.float32)[:, None] * freq[None, :]  # [BT, BHD], as RopeSpec.cos_sin
-            b_x = (b_y * tl.cos(ang) + sign[None, :] * b_yp * tl.sin(ang)) / attention_scaling
-            b_x = tl.where(is_rot[None, :], b_x, b_y)
-            b_sum += tl.sum(tl.where(m_k[:, None], b_x, 0.0), 0)
-        tl.store(p_ws + i_c * HD + o_hd, b_sum, mask=m_hd)
-        if PHASE == -1:
-            _grid_barrier(p_cnt, NC, p_cnt + 3, max_spins)
 
-    o_hh = tl.arange(0, BLOCK_H)
-    o_dd = tl.arange(0, BLOCK_D)
-    o_j = i_c * CH + tl.arange(0, CH)  # this program's hidden units
-    m_h = o_hh < HKV
-    m_dd = o_dd < D
-    m_hdd = m_h[:, None] & m_dd[None, :]
-    o_hdd = o_hh[:, None] * D + o_dd[None, :]  # [BH, BD] into a [HKV, D] slab
+@triton.jit(do_not_specialize=["layer", "pool_tokens"])
+def _route_task_kernel(
+    key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f,
+    s_kb, s_kt, s_kh, s_bt, s_w, layer, pool_tokens, attention_scaling,
+    HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, HID: tl.constexpr,
+    NS1: tl.constexpr, FUSED_POOL: tl.constexpr, NPOOL: tl.constexpr,
+):  # fmt: skip
+    """Launch 1: pool head h (or sum the pooling launch's partials), Task MLP hidden slice s."""
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_r = tl.program_id(2)
+    CH: tl.constexpr = HID // NS1
+    n_len = tl.load(prompt_lens + i_r)
+    n_pool = tl.minimum(n_len, 2 * pool_tokens)
+    o_i = tl.arange(0, BLOCK_HALF)
+    m_i = o_i < HALF
+    o_p = tl.arange(0, BLOCK_P)
+    m_p = o_p < D - ROT
+    o_j = i_s * CH + tl.arange(0, CH)  # [CH] this program's hidden units
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    # weights first: their loads do not depend on the pooling, so they overlap it
+    p_w = weights + layer.to(tl.int64) * s_w
+    p_w1 = p_w + o_j[:, None] * D  # W1 [HID, D] rows
+    w1a = tl.load(p_w1 + o_i[None, :], mask=m_i[None, :], other=0.0)  # [CH, BHALF]
+    w1b = tl.load(p_w1 + HALF + o_i[None, :], mask=m_i[None, :], other=0.0)
+    b1 = tl.load(p_w + HID * D + o_j)
+    # W2 [D, HID]: element (d, j) at d * HID + j, read as [CH, BD] (j contiguous)
+    w2 = tl.load(p_w + HID * D + HID + o_d[None, :] * HID + o_j[:, None], mask=m_d[None, :], other=0.0)
+    if FUSED_POOL:
+        p_bt = block_table + tl.load(req_rows + i_r).to(tl.int64) * s_bt
+        x1, x2, xp = _pool_sums(
+            key_cache, p_bt, i_h, 0, n_pool, BLOCK_T, pool_tokens, n_len - n_pool, inv_freq,
+            s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BLOCK_T, BS,
+        )  # fmt: skip
+    else:
+        x1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        x2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        xp = tl.zeros([BLOCK_P], dtype=tl.float32)
+        p_x = ws_pool + ((i_r * HKV + i_h) * NPOOL).to(tl.int64) * D
+        for i_c in range(NPOOL):  # fixed order: deterministic
+            x1 += tl.load(p_x + i_c * D + o_i, mask=m_i, other=0.0)
+            x2 += tl.load(p_x + i_c * D + HALF + o_i, mask=m_i, other=0.0)
+            if ROT < D:
+                xp += tl.load(p_x + i_c * D + ROT + o_p, mask=m_p, other=0.0)
+    inv_n = 1.0 / n_pool.to(tl.float32)
+    x1 = x1 * (inv_n / attention_scaling)
+    x2 = x2 * (inv_n / attention_scaling)
+    h_pre = tl.sum(w1a * x1[None, :], 1) + tl.sum(w1b * x2[None, :], 1) + b1  # [CH]
+    if ROT < D:
+        w1p = tl.load(p_w1 + ROT + o_p[None, :], mask=m_p[None, :], other=0.0)
+        h_pre += tl.sum(w1p * (xp * inv_n)[None, :], 1)
+    hid = _silu(h_pre)
+    f_part = tl.sum(w2 * hid[:, None], 0)  # [BD]
+    tl.store(ws_f + ((i_r * HKV + i_h) * NS1 + i_s).to(tl.int64) * D + o_d, f_part, mask=m_d)
 
-    if (PHASE == -1) | (PHASE == 1):
-        # ---- phase 1: pooled mean -> Task MLP hidden chunk -> partial f
-        b_x = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for i_p in range(NC):
-            b_x += tl.load(p_ws + i_p * HD + o_hdd, mask=m_hdd, other=0.0, cache_modifier=".cg")
-        b_x = b_x / n_pool.to(tl.float32)
-        b_w1 = tl.load(p_w + OFF_W1 + o_j[:, None] * D + o_dd[None, :], mask=m_dd[None, :], other=0.0)  # [CH, BD]
-        b_b1 = tl.load(p_w + OFF_B1 + o_j)  # [CH]
-        b_hid = _silu(tl.dot(b_x, tl.trans(b_w1), input_precision="ieee") + b_b1[None, :])  # [BH, CH]
-        b_w2 = tl.load(p_w + OFF_W2 + o_dd[:, None] * HID + o_j[None, :], mask=m_dd[:, None], other=0.0)  # [BD, CH]
-        b_f = tl.dot(b_hid, tl.trans(b_w2), input_precision="ieee")  # [BH, BD]
-        tl.store(p_ws + (NC + i_c) * HD + o_hdd, b_f, mask=m_hdd)
-        if PHASE == -1:
-            _grid_barrier(p_cnt + 1, NC, p_cnt + 3, max_spins)
 
-    if (PHASE == -1) | (PHASE == 2):
-        # ---- phase 2: f -> Router MLP layers 1-2 hidden chunk -> partial v
-        b_f = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for i_p in range(NC):
-            b_f += tl.load(p_ws + (NC + i_p) * HD + o_hdd, mask=m_hdd, other=0.0, cache_modifier=".cg")
-        b_f += tl.load(p_w + OFF_B2 + o_dd, mask=m_dd, other=0.0)[None, :]
-        b_w3 = tl.load(p_w + OFF_W3 + o_j[:, None] * D + o_dd[None, :], mask=m_dd[None, :], other=0.0)  # [CH, BD]
-        b_b3 = tl.load(p_w + OFF_B3 + o_j)
-        b_u = _silu(tl.dot(b_f, tl.trans(b_w3), input_precision="ieee") + b_b3[None, :])  # [BH, CH]
-        b_w4 = tl.load(p_w + OFF_W4 + o_dd[:, None] * HID + o_j[None, :], mask=m_dd[:, None], other=0.0)  # [BD, CH]
-        b_v = tl.dot(b_u, tl.trans(b_w4), input_precision="ieee")  # [BH, BD]
-        tl.store(p_ws + (2 * NC + i_c) * HD + o_hdd, b_v, mask=m_hdd)
-        tl.debug_barrier()
-        done = tl.atomic_add(p_cnt + 2, 1, sem="acq_rel")
-        if done == NC - 1:
-            # ---- the last program of the request: v -> SiLU -> Linear(d, 2) -> decision
-            b_v = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            for i_p in range(NC):
-                b_v += tl.load(p_ws + (2 * NC + i_p) * HD + o_hdd, mask=m_hdd, other=0.0, cache_modifier=".cg")
-            b_v = _silu(b_v + tl.load(p_w + OFF_B4 + o_dd, mask=m_dd, other=0.0)[None, :])
-            b_w50 = tl.load(p_w + OFF_W5 + o_dd, mask=m_dd, other=0.0)
-            b_w51 = tl.load(p_w + OFF_W5 + D + o_dd, mask=m_dd, other=0.0)
-            z0 = tl.sum(b_v * b_w50[None, :], 1) + tl.load(p_w + OFF_B5)  # [BH]
-            z1 = tl.sum(b_v * b_w51[None, :], 1) + tl.load(p_w + OFF_B5 + 1)
-            dec = tl.where(z1 > z0, fa_value, sa_value)  # ties -> SA, as torch.argmax
-            i_slot = tl.load(slots + i_r).to(tl.int64)
-            p_t = table + i_slot * s_t0 + layer * s_t1 + o_hh * s_t2
-            tl.store(p_t, dec.to(table.dtype.element_ty), mask=m_h)
-            if HAS_LOGITS:
-                tl.store(logits + i_r * (HKV * 2) + o_hh * 2, z0, mask=m_h)
-                tl.store(logits + i_r * (HKV * 2) + o_hh * 2 + 1, z1, mask=m_h)
-            # every program of this request has passed both barriers: re-arm the counters
-            tl.atomic_xchg(p_cnt, 0)
-            tl.atomic_xchg(p_cnt + 1, 0)
-            tl.atomic_xchg(p_cnt + 2, 0)
+@triton.jit(do_not_specialize=["layer", "fa_value", "sa_value"])
+def _route_router_kernel(
+    weights, ws_f, ws_v, cnt, slots, table, logits, s_w, s_t0, s_t1, s_t2, layer, fa_value, sa_value,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr, NS1: tl.constexpr,
+    NS2: tl.constexpr, HAS_LOGITS: tl.constexpr,
+):  # fmt: skip
+    """Launch 2: Router MLP hidden slice s2; the last slice program of (r, h) finishes the head."""
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_r = tl.program_id(2)
+    CH: tl.constexpr = HID // NS2
+    OFF_W3: tl.constexpr = 2 * HID * D + HID + D
+    OFF_W4: tl.constexpr = OFF_W3 + HID * D + HID
+    OFF_W5: tl.constexpr = OFF_W4 + D * HID + D
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    o_j = i_s * CH + tl.arange(0, CH)
+    p_w = weights + layer.to(tl.int64) * s_w
+    w3 = tl.load(p_w + OFF_W3 + o_j[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0.0)  # [CH, BD]
+    b3 = tl.load(p_w + OFF_W3 + HID * D + o_j)
+    w4 = tl.load(p_w + OFF_W4 + o_d[None, :] * HID + o_j[:, None], mask=m_d[None, :], other=0.0)  # [CH, BD]
+    i_rh = i_r * HKV + i_h
+    f = tl.load(p_w + 2 * HID * D + HID + o_d, mask=m_d, other=0.0)  # b2
+    p_f = ws_f + (i_rh * NS1).to(tl.int64) * D
+    for i_p in range(NS1):  # fixed order: deterministic
+        f += tl.load(p_f + i_p * D + o_d, mask=m_d, other=0.0)
+    u = _silu(tl.sum(w3 * f[None, :], 1) + b3)  # [CH]
+    v_part = tl.sum(w4 * u[:, None], 0)  # [BD]
+    p_v = ws_v + (i_rh * NS2).to(tl.int64) * D
+    tl.store(p_v + i_s * D + o_d, v_part, mask=m_d)
+    tl.debug_barrier()  # every thread's partial is written before the counter moves (release below)
+    done = tl.atomic_add(cnt + i_rh, 1, sem="acq_rel")
+    if done == NS2 - 1:
+        v = tl.load(p_w + OFF_W4 + D * HID + o_d, mask=m_d, other=0.0)  # b4
+        for i_p in range(NS2):  # fixed order: the result does not depend on which program is last
+            v += tl.load(p_v + i_p * D + o_d, mask=m_d, other=0.0, cache_modifier=".cg")
+        v = _silu(v)
+        z0 = tl.sum(v * tl.load(p_w + OFF_W5 + o_d, mask=m_d, other=0.0), 0) + tl.load(p_w + OFF_W5 + 2 * D)
+        z1 = tl.sum(v * tl.load(p_w + OFF_W5 + D + o_d, mask=m_d, other=0.0), 0) + tl.load(p_w + OFF_W5 + 2 * D + 1)
+        dec = tl.where(z1 > z0, fa_value, sa_value)  # ties -> SA, as torch.argmax
+        i_slot = tl.load(slots + i_r).to(tl.int64)
+        tl.store(table + i_slot * s_t0 + layer * s_t1 + i_h * s_t2, dec.to(table.dtype.element_ty))
+        if HAS_LOGITS:
+            tl.store(logits + i_rh * 2, z0)
+            tl.store(logits + i_rh * 2 + 1, z1)
+        tl.atomic_xchg(cnt + i_rh, 0)  # re-armed for the next layer (stream order)
 
 
 def router_param_count(head_dim: int, hidden: int) -> int:
@@ -244,30 +251,14 @@ def pack_router_weights(router) -> torch.Tensor:
     return torch.stack(rows).contiguous()
 
 
-def _workspace(device: torch.device, R: int, nc: int, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached per device: counters must start at zero and are re-armed by the kernel itself."""
-    ws, cnt = _WS.get(device, (None, None))
-    need = R * 3 * nc * hd
-    if ws is None or ws.numel() < need or cnt.shape[0] < R:
-        ws = torch.empty(max(need, 1), device=device, dtype=torch.float32)
-        cnt = torch.zeros(max(R, 8), 4, device=device, dtype=torch.int32)
-        _WS[device] = (ws, cnt)
-    return ws, cnt
-
-
-def route_errors(device: torch.device) -> int:
-    """Barrier timeouts seen by the fused router on ``device`` (host sync: for checks only)."""
-    ws_cnt = _WS.get(device)
-    return 0 if ws_cnt is None else int(ws_cnt[1][:, 3].max().item())
-
-
 class Router:
     """Prepared router launcher for the hot path: validate and precompute once, launch per layer.
 
     ``Router(weights, table, inv_freq=..., ...)`` checks the static inputs (packed weights, decision
     table, RoPE frequencies) and fixes the launch metadata; each ``router(key_cache, block_table,
-    req_rows, prompt_lens, slots, layer)`` then only reads strides and launches one kernel (fused)
-    with no validation, allocation or host sync. ``route()`` is the checked one-shot equivalent.
+    req_rows, prompt_lens, slots, layer)`` then only reads strides and launches two kernels (three
+    for long pools) with no validation, allocation or host sync. ``route()`` is the checked
+    one-shot equivalent. ``num_chunks`` overrides the hidden slices per MLP pair (NS1 = NS2).
     """
 
     def __init__(
@@ -285,7 +276,6 @@ class Router:
         fa_value: int = 0,
         sa_value: int = 1,
         num_chunks: int | None = None,
-        fused: bool | None = None,
     ):
         dev = weights.device
         d, hkv = head_dim, num_kv_heads
@@ -305,45 +295,44 @@ class Router:
             raise ValueError(f"pooling: expected 'boundary' or 'whole', got {pooling!r}")
         if pool_tokens < 1:
             raise ValueError(f"pool_tokens: must be >= 1, got {pool_tokens}")
-        self.fused = (not interpret()) if fused is None else fused
         if num_chunks is not None and (num_chunks < 1 or num_chunks & (num_chunks - 1) or hidden // num_chunks < 16):
             raise ValueError(f"num_chunks: a power of two with hidden/num_chunks >= 16 required, got {num_chunks}")
-        if self.fused and num_chunks is not None and num_chunks > 1 and interpret():
-            raise ValueError("fused: the interpreter runs programs one by one; use fused=False or num_chunks=1")
-        self.device, self.num_layers, self.hidden, self.hd = dev, num_layers, hidden, hkv * d
-        self.num_chunks, self.sms = num_chunks, num_sms(dev)
-        self.weights, self.table, self.inv_freq = weights, table, inv_freq
+        # slices: ~64 KB of fp32 weights per program at d 128 (launch 1 also pools: fewer, larger slices)
+        self.ns1 = num_chunks or max(1, min(hidden // 16, hidden // 64))
+        self.ns2 = num_chunks or max(1, min(hidden // 16, hidden // 32))
         n = min(pool_tokens, 1 << 29) if pooling == "boundary" else 1 << 29  # 2n must fit in int32
-        self.strides = (weights.stride(0), table.stride(0), table.stride(1), table.stride(2))
-        self.tail = (n, float(attention_scaling), int(fa_value), int(sa_value), MAX_SPINS)
-        self.meta = dict(
-            D=d, BLOCK_D=max(16, next_pow2(d)), HKV=hkv, BLOCK_H=max(16, next_pow2(hkv)),
-            BLOCK_HD=next_pow2(self.hd), HID=hidden, ROT=rot, BS=block_size,
-            BLOCK_T=max(1, min(32, 8192 // next_pow2(self.hd))), num_warps=4,
+        self.fused_pool = pooling == "boundary" and 2 * n <= FUSED_POOL_MAX
+        self.device, self.num_layers, self.hidden, self.d, self.hkv = dev, num_layers, hidden, d, hkv
+        self.weights, self.table, self.inv_freq = weights, table, inv_freq
+        self.pool_tokens, self.scaling = n, float(attention_scaling)
+        self.fa_value, self.sa_value = int(fa_value), int(sa_value)
+        half = rot // 2
+        self.pool_meta = dict(
+            HKV=hkv, HALF=half, ROT=rot, D=d, BLOCK_HALF=max(16, next_pow2(half)),
+            BLOCK_P=max(16, next_pow2(d - rot)), BLOCK_T=32, BS=block_size,
         )  # fmt: skip
-        self._plans: dict[int, tuple] = {}
+        self.task_meta = dict(
+            self.pool_meta, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1,
+            FUSED_POOL=self.fused_pool, NPOOL=POOL_PROGRAMS, num_warps=8,
+        )  # fmt: skip
+        self.router_meta = dict(HKV=hkv, D=d, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1, NS2=self.ns2,
+                                num_warps=4)  # fmt: skip
+        self._ws: dict[int, tuple] = {}
 
-    def plan(self, R: int) -> tuple:
-        """(num_chunks, workspace, counters, launch metadata) for R routed requests, cached per R."""
-        p = self._plans.get(R)
-        if p is None:
-            nc = self.num_chunks
-            if nc is None:
-                # fused: as many chunks as keep every program resident; phased (interpreter): a few
-                nc = (
-                    min(16, self.hidden // 16, prev_pow2(max(self.sms // R, 1)))
-                    if self.fused
-                    else min(4, self.hidden // 16)
-                )
-            if self.fused and nc > 1 and nc * R > self.sms:
-                raise ValueError(
-                    f"num_chunks: {nc} x {R} requests exceeds {self.sms} SMs (fused programs must be co-resident)"
-                )
-            ws, cnt = _workspace(self.device, R, nc, self.hd)
-            phases = (-1,) if self.fused else (0, 1, 2)
-            metas = [dict(self.meta, NC=nc, CH=self.hidden // nc, PHASE=ph) for ph in phases]
-            p = self._plans[R] = (nc, ws, cnt, metas)
-        return p
+    def workspace(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pool partials, Task-MLP partials, Router-MLP partials, counters) for R requests, cached.
+        The counters start at zero and are re-armed by the kernel itself."""
+        ws = self._ws.get(R)
+        if ws is None:
+            f32 = dict(device=self.device, dtype=torch.float32)
+            pool = torch.empty(R * self.hkv * POOL_PROGRAMS * self.d if not self.fused_pool else 1, **f32)
+            ws = self._ws[R] = (
+                pool,
+                torch.empty(R * self.hkv * self.ns1 * self.d, **f32),
+                torch.empty(R * self.hkv * self.ns2 * self.d, **f32),
+                torch.zeros(R * self.hkv, device=self.device, dtype=torch.int32),
+            )
+        return ws
 
     def __call__(
         self,
@@ -358,16 +347,25 @@ class Router:
         R = req_rows.shape[0]
         if R == 0:
             return
-        nc, ws, cnt, metas = self.plan(R)
+        pool, ws_f, ws_v, cnt = self.workspace(R)
         ks = key_cache.stride()
-        has_lg = logits_out is not None
-        args = (
-            key_cache, block_table, req_rows, prompt_lens, slots, self.inv_freq, self.weights, self.table,
-            logits_out if has_lg else ws, ws, cnt, ks[0], ks[1], ks[2], block_table.stride(0), *self.strides,
-            layer, *self.tail,
+        bts = block_table.stride(0)
+        sw = self.weights.stride(0)
+        if not self.fused_pool:
+            _route_pool_kernel[(POOL_PROGRAMS, self.hkv, R)](
+                key_cache, block_table, req_rows, prompt_lens, self.inv_freq, pool, ks[0], ks[1], ks[2], bts,
+                self.pool_tokens, NPOOL=POOL_PROGRAMS, num_warps=4, **self.pool_meta,
+            )  # fmt: skip
+        _route_task_kernel[(self.ns1, self.hkv, R)](
+            key_cache, block_table, req_rows, prompt_lens, self.inv_freq, self.weights, pool, ws_f,
+            ks[0], ks[1], ks[2], bts, sw, layer, self.pool_tokens, self.scaling, **self.task_meta,
         )  # fmt: skip
-        for meta in metas:
-            _route_kernel[(nc, R)](*args, HAS_LOGITS=has_lg, **meta)
+        ts = self.table.stride()
+        has_lg = logits_out is not None
+        _route_router_kernel[(self.ns2, self.hkv, R)](
+            self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw, ts[0], ts[1], ts[2],
+            layer, self.fa_value, self.sa_value, HAS_LOGITS=has_lg, **self.router_meta,
+        )  # fmt: skip
 
 
 def route(
@@ -388,7 +386,6 @@ def route(
     sa_value: int = 1,
     logits_out: torch.Tensor | None = None,
     num_chunks: int | None = None,
-    fused: bool | None = None,
 ) -> torch.Tensor:
     """Route ``R`` requests at one layer and write their decisions into ``table`` in place.
 
@@ -405,7 +402,7 @@ def route(
             attention_scaling: RoPE's magnitude scaling (``RopeSpec.attention_scaling``).
         pool_tokens, pooling: "boundary" = mean of the first/last pool_tokens; "whole" = all.
         logits_out: optional [R, Hkv, 2] float32, receives the router logits.
-        num_chunks, fused: work split override (see module docstring).
+        num_chunks: hidden slices per MLP pair (see ``Router``).
 
     Returns:
         table. No host synchronisation.
@@ -425,7 +422,7 @@ def route(
     router = Router(
         weights, table, inv_freq=inv_freq, num_kv_heads=hkv, head_dim=d, block_size=bs,
         attention_scaling=attention_scaling, pool_tokens=pool_tokens, pooling=pooling, fa_value=fa_value,
-        sa_value=sa_value, num_chunks=num_chunks, fused=fused,
+        sa_value=sa_value, num_chunks=num_chunks,
     )  # fmt: skip
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer: {layer} out of range for {num_layers} router layers")

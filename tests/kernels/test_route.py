@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from elastic_vllm.csrc.route import pack_router_weights, route, router_param_count
+import triton
+import triton.language as tl
+from elastic_vllm.csrc.route import _sincos, pack_router_weights, route, router_param_count
 from kutils import no_host_sync, strided_caches
 
 from elastic_vllm.reference.paged import make_paged_batch
@@ -54,17 +56,43 @@ def check(batch, spec, router, rows, plens, layer, slots, table, pool=100, pooli
     assert torch.equal(table[untouched], before[untouched])
 
 
-@pytest.mark.parametrize(
-    "fused,num_chunks",
-    [(False, None), (False, 1), (False, 2), (True, 1)],
-    ids=["phased-default", "phased-1", "phased-2", "fused-1"],
-)
-def test_route_matches_reference(fused, num_chunks):
+@pytest.mark.parametrize("num_chunks", [None, 1, 2, 4], ids=["default", "1", "2", "4"])
+def test_route_matches_reference(num_chunks):
     lens = [1, 7, 199, 200, 201, 450]  # shorter than, equal to and longer than 2 * pool_tokens
     batch, spec, router, rows, plens = make_case(lens)
     table = torch.full((8, 3, 4), 9, dtype=torch.int8)
     slots = torch.tensor([6, 0, 3, 1, 7, 2], dtype=torch.int32)
-    check(batch, spec, router, rows, plens, 1, slots, table, fused=fused, num_chunks=num_chunks)
+    check(batch, spec, router, rows, plens, 1, slots, table, num_chunks=num_chunks)
+
+
+def test_route_long_boundary_pool_uses_the_pooling_launch():
+    """2 * pool_tokens > FUSED_POOL_MAX: a token-parallel pooling launch feeds the Task-MLP launch."""
+    from elastic_vllm.csrc.route import FUSED_POOL_MAX
+
+    pool = FUSED_POOL_MAX // 2 + 20
+    batch, spec, router, rows, plens = make_case([2 * pool + 77, 300, 5], layers=2, pool=pool, seed=9)
+    table = torch.full((3, 2, 4), 9, dtype=torch.int8)
+    check(batch, spec, router, rows, plens, 1, torch.tensor([2, 0, 1], dtype=torch.int32), table, pool=pool)
+
+
+@triton.jit
+def _sincos_kernel(x_ptr, s_ptr, c_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    s, c = _sincos(tl.load(x_ptr + o))
+    tl.store(s_ptr + o, s)
+    tl.store(c_ptr + o, c)
+
+
+def test_sincos_matches_torch_at_large_angles():
+    """The kernel's sin/cos (Cody-Waite + polynomials) on the reference's fp32 angles up to 1M tokens."""
+    pos = torch.tensor([0, 1, 2, 99, 4095, 8191, 105615, 131071, 262143, 1048575] * 2, dtype=torch.float32)
+    inv = torch.tensor([1.0] * 10 + [0.8659643, 0.0372759, 3.3e-4, 0.7498942, 0.9, 0.5, 1e-5, 0.2, 0.3, 0.99])
+    x = pos * inv  # float32 products, as RopeSpec.cos_sin
+    x = torch.cat([x, torch.zeros(32 - x.numel())])
+    s, c = torch.empty_like(x), torch.empty_like(x)
+    _sincos_kernel[(1,)](x, s, c, N=32)
+    torch.testing.assert_close(s, x.double().sin().float(), atol=3e-7, rtol=0)
+    torch.testing.assert_close(c, x.double().cos().float(), atol=3e-7, rtol=0)
 
 
 def test_route_whole_pooling_full_rotary_d64_strided_cache():
@@ -115,22 +143,23 @@ def test_route_launcher_errors_name_the_argument():
         route(*a[:3], torch.ones(2, dtype=torch.int32), rows, w, 0, table, inv_freq=spec.inv_freq)
     with pytest.raises(ValueError, match="pooling"):
         route(*a, w, 0, table, inv_freq=spec.inv_freq, pooling="mean")
-    with pytest.raises(ValueError, match="fused"):
-        route(*a, w, 0, table, inv_freq=spec.inv_freq, fused=True, num_chunks=2)
+    with pytest.raises(ValueError, match="num_chunks"):
+        route(*a, w, 0, table, inv_freq=spec.inv_freq, num_chunks=3)
 
 
 def test_prepared_router_repeated_calls_rearm_counters():
-    """The hot-path launcher: one validation, then many layers; counters re-arm between launches."""
+    """The hot-path launcher: one validation, then many layers; the last-program counters re-arm."""
     from elastic_vllm.csrc.route import Router
 
     batch, spec, router, rows, plens = make_case([120, 230], layers=3, seed=8)
     w = pack_router_weights(router)
     table = torch.full((2, 3, 4), 9, dtype=torch.int8)
     r = Router(w, table, inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, num_kv_heads=4,
-               head_dim=32, block_size=16, fused=False, num_chunks=2)  # fmt: skip
+               head_dim=32, block_size=16, num_chunks=2)  # fmt: skip
     for layer in (2, 0, 1, 2):
         lg = torch.full((2, 4, 2), float("nan"))
         r(batch.key_cache, batch.block_table, rows, plens, rows, layer, lg)
         want = route_logits_ref(batch.key_cache, batch.block_table, rows, plens, router, layer, spec)
         torch.testing.assert_close(lg, want, atol=LOGIT_ATOL, rtol=1e-5)
     assert (table != 9).all()
+    assert int(r.workspace(2)[3].abs().sum()) == 0  # counters back at zero
