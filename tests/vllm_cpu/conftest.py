@@ -41,10 +41,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def hf_ref(demo_model_dir):
-    """transformers SmolLM2 (float32) with pre-RoPE key hooks."""
-    from .hf_ref import HFReference
+    """transformers SmolLM2 (float32) with attn_implementation="elastic" and pre-RoPE key hooks; shared,
+    so every user sets its router and knobs with ``configure`` (all-FA = the dense model)."""
+    from .hf_ref import HFElasticReference
 
-    return HFReference(demo_model_dir)
+    return HFElasticReference(demo_model_dir, {"force": "all-FA"})
 
 
 def calibration_prompts(tok) -> list[list[int]]:
@@ -65,7 +66,8 @@ def calibration_prompts(tok) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def smollm2_pooled(hf_ref):
-    """Pooled pre-RoPE keys [N prompts, L, Hkv, D] of calibration prompts (transformers)."""
+    """Pooled pre-RoPE keys [N prompts, L, Hkv, D] of calibration prompts (transformers, dense)."""
+    hf_ref.configure(None, force="all-FA")
     return torch.stack([hf_ref.pooled(ids) for ids in calibration_prompts(hf_ref.tok)])
 
 

@@ -12,10 +12,11 @@ LOGIT_EPS = 1e-3
 
 
 def event_of(request_id: str) -> observe.RoutingEvent:
-    """The routing event of an engine request (the worker sees vLLM's internal id "<id>-<uuid8>")."""
+    """The routing event of an engine request (the worker sees vLLM's internal id "<id>-<uuid8>"). Each
+    LLM numbers its requests from 0, so with several engines in one process the latest event is ours."""
     found = [e for e in observe.events() if e.req_id == request_id or e.req_id.rsplit("-", 1)[0] == request_id]
-    assert len(found) == 1, f"expected one routing event for {request_id}, got {len(found)}"
-    return found[0]
+    assert found, f"no routing event for {request_id}"
+    return found[-1]
 
 
 def compare_decisions(event: observe.RoutingEvent, ref_logits: torch.Tensor) -> int:
@@ -30,11 +31,11 @@ def compare_decisions(event: observe.RoutingEvent, ref_logits: torch.Tensor) -> 
     return int(sure.sum())
 
 
-def greedy(max_tokens: int = 12, logprobs: int | None = None, force: str | None = None):
+def greedy(max_tokens: int = 12, logprobs: int | None = None, force: str | None = None, **kw):
     from vllm import SamplingParams
 
     extra = {"elastic_force": force} if force else None
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, extra_args=extra)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, extra_args=extra, **kw)
 
 
 def top_logprobs(out) -> list[float]:

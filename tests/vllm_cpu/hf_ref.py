@@ -56,12 +56,21 @@ class HFElasticReference(HFReference):
     reference engine): every layer routes from its own pre-RoPE keys during the prefill, with the
     hybrid attention of the layers below, as the vLLM backend does for an unchunked prompt."""
 
-    def __init__(self, model_dir, cfg: dict, router_path, dtype=torch.float32):
+    def __init__(self, model_dir, cfg: dict, router_path=None, dtype=torch.float32):
         from elastic_vllm.hf import load_elastic_model
 
         self.model, self.tok = load_elastic_model(model_dir, cfg, router_path, dtype=dtype)
         self.cfg = self.model.config
         self.state = self.model.elastic_state
+
+    def configure(self, router_path, **cfg) -> HFElasticReference:
+        """Switch router and knobs (the model is shared by several tests)."""
+        from elastic_vllm.config import ElasticConfig
+        from elastic_vllm.router.checkpoint import load_router
+
+        self.state.router = load_router(router_path).router if router_path is not None else None
+        self.state.cfg = ElasticConfig.parse(cfg)
+        return self
 
     def route(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [L, Hkv, 2], pooled pre-RoPE keys [L, Hkv, D]) of one prompt's prefill."""

@@ -13,20 +13,13 @@ prompt in one piece, so it is the reference for prompts that fit one vLLM chunk.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
-from elastic_vllm.router.checkpoint import load_router
 from elastic_vllm.router.model import LayerRouter
 from elastic_vllm.vllm_plugin import observe
 
-from .conftest import KV_BYTES, close_llm, make_llm, state_of
+from .conftest import close_llm, make_llm, state_of
 from .helpers import compare_decisions, event_of, greedy, top_logprobs
 from .routers import (
     SMOLLM2_RETRIEVAL_HEADS,
@@ -50,7 +43,7 @@ REF_PROMPTS = [
     "A haiku about autumn leaves:\n",
 ]
 # Justified tolerance for all-FA vs CPU_ATTN (float32): the two backends sum attention in different orders
-# (SDPA vs vLLM's C++ kernels); measured differences are ~1e-5 per logprob over 16 steps. 1e-3 is 100x that,
+# (SDPA vs vLLM's C++ kernels); measured differences are ~1e-5 per logprob over 12 steps. 1e-3 is 100x that,
 # and ~1000x below the gap between a greedy token and its runner-up that would flip a token.
 LOGPROB_ATOL = 1e-3
 
@@ -71,39 +64,34 @@ def prompts(hf_ref):
 
 
 @pytest.fixture(scope="module")
-def split_router(tmp_path_factory, hf_ref, demo_model_dir, smollm2_pooled, prompts):
+def split_router(tmp_path_factory, hf_ref, smollm2_pooled, prompts):
     """Retrieval heads FA, layer 0 random, layer 29 head 0 splitting P1 (FA) from P2 (SA). The split
     rule is fitted on the keys the elastic model computes at layer 29 (hybrid attention below it)."""
-    from .hf_ref import HFElasticReference
-
     rules = head_selecting_rules(smollm2_pooled, SMOLLM2_RETRIEVAL_HEADS)
     r = linear_router(30, 64, rules)
     torch.manual_seed(0)
     r.layers[0] = LayerRouter(64)
     d = tmp_path_factory.mktemp("router")
     base = save_test_router(r, d / "base", 3, "HuggingFaceTB/SmolLM2-135M-Instruct")
-    ref = HFElasticReference(demo_model_dir, {**ELASTIC, "router_path": str(base)}, base)
-    tok = ref.tok
-    p1, p2 = (ref.route(tok(prompts[k]).input_ids)[1] for k in ("P1", "P2"))
+    hf_ref.configure(base, **ELASTIC)
+    p1, p2 = (hf_ref.route(hf_ref.tok(prompts[k]).input_ids)[1] for k in ("P1", "P2"))
     rules[SPLIT_LAYER] = prompt_splitting_rule(p1[SPLIT_LAYER, 0], p2[SPLIT_LAYER, 0])
     r_split = linear_router(30, 64, rules)
     r_split.layers[0] = r.layers[0]
-    path = save_test_router(r_split, d / "split", 3, "HuggingFaceTB/SmolLM2-135M-Instruct")
-    ref.state.router = load_router(path).router
-    return path, ref
+    return save_test_router(r_split, d / "split", 3, "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 @pytest.fixture(scope="module")
 def llm(demo_model_dir, split_router):
-    cfg = {"elastic": {**ELASTIC, "router_path": str(split_router[0])}}
+    cfg = {"elastic": {**ELASTIC, "router_path": str(split_router)}}
     engine = make_llm(demo_model_dir, attention_backend="elastic", additional_config=cfg, **ENGINE)
     yield engine
     close_llm(engine)
 
 
-@pytest.fixture(scope="module")
-def hf_elastic(split_router):
-    return split_router[1]
+@pytest.fixture
+def hf_elastic(hf_ref, split_router):
+    return hf_ref.configure(split_router, **ELASTIC)
 
 
 @pytest.fixture(scope="module")
@@ -228,9 +216,9 @@ def test_per_request_override(llm, prompts):
 
 def test_all_fa_matches_cpu_attn_and_other_backend_is_untouched(llm, cpu_llm):
     """Every head forced FA equals vLLM's own CPU backend; with CPU_ATTN selected our code never runs."""
-    ours = llm.generate(REF_PROMPTS, greedy(16, logprobs=1, force="all-FA"), use_tqdm=False)
+    ours = llm.generate(REF_PROMPTS, greedy(12, logprobs=1, force="all-FA"), use_tqdm=False)
     before = observe.COUNTERS.snapshot()
-    theirs = cpu_llm.generate(REF_PROMPTS, greedy(16, logprobs=1), use_tqdm=False)
+    theirs = cpu_llm.generate(REF_PROMPTS, greedy(12, logprobs=1), use_tqdm=False)
     assert observe.COUNTERS.snapshot() == before  # no elastic forward, routing or recording
     worst = 0.0
     for a, b in zip(ours, theirs):
@@ -238,35 +226,3 @@ def test_all_fa_matches_cpu_attn_and_other_backend_is_untouched(llm, cpu_llm):
         diff = (torch.tensor(top_logprobs(a)) - torch.tensor(top_logprobs(b))).abs().max().item()
         worst = max(worst, diff)
     assert worst <= LOGPROB_ATOL, worst
-    cpu_llm._elastic_ref_outputs = [(o.outputs[0].token_ids, top_logprobs(o)) for o in theirs]
-
-
-def test_without_plugin_vllm_gives_the_same_outputs(cpu_llm, demo_model_dir):
-    """CPU_ATTN with the plugin installed (this process) == CPU_ATTN with the plugin not loaded at all."""
-    ref = getattr(cpu_llm, "_elastic_ref_outputs", None)
-    if ref is None:
-        ref = [
-            (o.outputs[0].token_ids, top_logprobs(o))
-            for o in cpu_llm.generate(REF_PROMPTS, greedy(16, logprobs=1), use_tqdm=False)
-        ]
-    script = textwrap.dedent(
-        f"""
-        import json, sys
-        from vllm import LLM, SamplingParams
-        llm = LLM({str(demo_model_dir)!r}, enforce_eager=True, kv_cache_memory_bytes={KV_BYTES}, dtype="float32",
-                  seed=0, attention_backend="CPU_ATTN", **{ENGINE!r})
-        outs = llm.generate({REF_PROMPTS!r}, SamplingParams(max_tokens=16, temperature=0.0, logprobs=1), use_tqdm=False)
-        assert not any(m.startswith("elastic_vllm") for m in sys.modules), "the plugin was imported"
-        print("RESULT " + json.dumps([[o.outputs[0].token_ids,
-              [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]] for o in outs]))
-        """
-    )
-    env = dict(
-        os.environ, VLLM_PLUGINS="lora_filesystem_resolver,lora_hf_hub_resolver", VLLM_ENABLE_V1_MULTIPROCESSING="0"
-    )
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    for (t_ref, lp_ref), (t, lp) in zip(ref, got):
-        assert t == t_ref
-        assert max(abs(x - y) for x, y in zip(lp, lp_ref)) <= 1e-6

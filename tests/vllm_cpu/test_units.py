@@ -370,3 +370,127 @@ def test_startup_errors_name_the_fix(tmp_path, monkeypatch):
     assert EngineState(fake_vllm_config({})).router_path == str(shipped)
     with pytest.raises(ValueError, match="elastic_ops"):
         resolve_ops("cuda", torch.device("cpu"))
+
+
+# --- runner hooks, on stand-ins with the signatures of vLLM 0.26 and 0.32 -------------------------
+class _Obs:
+    def __init__(self, eager: bool):
+        self.eager, self.rows, self.steps = eager, [], 0
+
+    def on_step_begin(self, so):
+        self.steps += 1
+
+    def on_rows(self, req_ids):
+        self.rows.append(req_ids)
+
+    def on_step_end(self):
+        pass
+
+    def needs_eager_attention(self):
+        return self.eager
+
+
+def _fake_v2_module(version: str):
+    import types
+
+    mod = types.ModuleType(f"fake_v2_{version}")
+    if version == "0.26":
+
+        def dispatch_cg_and_sync_dp(
+            cudagraph_manager,
+            num_reqs,
+            num_tokens,
+            uniform_token_count,
+            dp_size,
+            dp_rank,
+            need_eager=False,
+            num_active_loras=0,
+        ):
+            return {"uniform_token_count": uniform_token_count}
+    else:
+
+        def dispatch_cg_and_sync_dp(
+            cudagraph_manager, num_reqs, num_tokens, uniform_token_count, dp_size, dp_rank, max_query_len=None,
+            need_eager=False, num_active_loras=0, parallel_config=None, allow_ubatching=False, uniform_decode=False,
+            dp_sync_state=None,
+        ):  # fmt: skip
+            return {
+                "uniform_token_count": uniform_token_count,
+                "uniform_decode": uniform_decode,
+                "max_query_len": max_query_len,
+            }
+
+    class GPUModelRunner:
+        vllm_config = None
+
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+            kw = {"uniform_decode": True, "max_query_len": 1} if version != "0.26" else {}
+            self.desc = mod.dispatch_cg_and_sync_dp(None, 2, 2, 1, 1, 0, **kw)
+            self.batch = self.prepare_inputs(scheduler_output, None)
+            return "out"
+
+        def prepare_inputs(self, scheduler_output, batch_desc):
+            return SimpleNamespace(req_ids=["a", "b", None], num_reqs=2)
+
+    mod.GPUModelRunner = GPUModelRunner
+    mod.dispatch_cg_and_sync_dp = dispatch_cg_and_sync_dp
+    return mod
+
+
+@pytest.mark.parametrize("version", ["0.26", "0.32"])
+@pytest.mark.parametrize("eager", [False, True])
+def test_v2_runner_hooks(version, eager):
+    from elastic_vllm.vllm_plugin import compat
+
+    mod = _fake_v2_module(version)
+    assert compat._install_v2(mod) == []
+    obs = _Obs(eager)
+    saved = compat._observer_for
+    compat._observer_for = lambda runner: obs
+    try:
+        runner = mod.GPUModelRunner()
+        assert runner.execute_model(object()) == "out"
+        desc = runner.desc
+        assert runner.execute_model(object(), None, True) == "out"  # dummy runs are not steps
+    finally:
+        compat._observer_for = saved
+    assert obs.steps == 1 and obs.rows == [["a", "b"]]
+    if eager:  # a step that routes never gets a uniform-decode (FULL graph) descriptor
+        assert desc["uniform_token_count"] is None and desc.get("uniform_decode", False) is False
+    else:
+        assert desc["uniform_token_count"] == 1
+
+
+def test_v1_runner_hooks():
+    import types
+
+    from elastic_vllm.vllm_plugin import compat
+
+    mod = types.ModuleType("fake_v1")
+
+    class GPUModelRunner:
+        input_batch = SimpleNamespace(req_ids=["r2", "r1", "stale"])
+
+        def execute_model(self, scheduler_output, intermediate_tensors=None):
+            self.disp = self._determine_batch_execution_and_padding(2, 2, None, 1)
+            self._build_attention_metadata(num_tokens=2, num_reqs=2, max_query_len=1)
+            return "out"
+
+        def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, for_cudagraph_capture=False):
+            return None
+
+        def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, nst, mnst, force_uniform_decode=None):
+            return force_uniform_decode
+
+    mod.GPUModelRunner = GPUModelRunner
+    assert compat._install_v1(mod) == []
+    obs = _Obs(eager=True)
+    saved = compat._observer_for
+    compat._observer_for = lambda runner: obs
+    try:
+        r = GPUModelRunner()
+        assert r.execute_model(object()) == "out"
+        r._build_attention_metadata(num_tokens=2, num_reqs=2, max_query_len=1)  # outside a step: not recorded
+    finally:
+        compat._observer_for = saved
+    assert obs.rows == [["r2", "r1"]] and r.disp is False

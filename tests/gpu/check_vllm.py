@@ -1,0 +1,348 @@
+#!/usr/bin/env python3
+"""The elastic vLLM backend on the lent GPU (vLLM 0.26, real engine, Triton kernels, CUDA graphs on).
+
+    PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 \\
+        python3 tests/gpu/check_vllm.py --model /path/to/SmolLM2-135M-Instruct --out $OUT/check_vllm.json \\
+        [--router router_weights/smollm2-135m-instruct] [--checks all_fa,graphs,needle,batch,long] [--long-len 131072]
+
+Engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one after another; the plugin is registered
+directly (no pip install needed on a bare checkout). Checks, one JSON row each (``ok``, numbers, seconds):
+
+- all_fa_<runner>: every head forced FA vs FLASH_ATTN (vLLM's default on Hopper), bf16, CUDA graphs on, for
+  Model Runner V2 (0.26's default for dense models) and V1. Tolerance: greedy tokens equal at every position
+  except after a position where FLASH_ATTN's own top-2 logprobs are within 0.1 (a bf16 near-tie: two kernels of
+  one precision may flip it), where the comparison stops; |logprob difference| <= 0.05 where compared (bf16
+  attention outputs of two kernels differ by ~1 ulp, ~4e-3 relative; through 30 layers the chosen token's
+  logprob moves by a few 1e-2 at most).
+- graphs: decode steps replay FULL CUDA graphs: the elastic forward (Python) runs for prefill steps only, and
+  the outputs equal an eager engine's.
+- needle: 2K needle prompts answered with the router (auto) as well as dense (all-FA) within 20% of the prompts,
+  sink 128 / window 512, SA heads sparse at decode. Without --router a router keeping the 10 measured retrieval
+  heads of SmolLM2 FA is built from transformers keys (tests/vllm_cpu/routers.py).
+- batch: one batch whose requests have different routings (auto / all-FA / all-SA overrides, different prompts):
+  all recorded, each once, with the decisions their override demands.
+- long: a Llama-3.1-8B-shaped model with dummy weights serves one --long-len token prompt (random ids), auto
+  (random router) and all-FA; reports the prefill times and Omega_MSR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gpu_common import ROOT, bootstrap, env_info, write_json
+
+ARGS = None
+ENV: dict = {}
+RESULTS: list[dict] = []
+LOGPROB_ATOL = 0.05
+TIE_MARGIN = 0.1
+
+
+def record(name: str, ok: bool, secs: float, **extra) -> None:
+    RESULTS.append({"name": name, "ok": bool(ok), "s": round(secs, 1), **extra})
+    print(f"{name:<28} {'PASS' if ok else 'FAIL'} {secs:7.1f}s {json.dumps(extra)[:300]}", flush=True)
+    write_json(ARGS.out, {"env": ENV, "results": RESULTS})
+
+
+def run_check(name: str, fn) -> None:
+    t = time.perf_counter()
+    try:
+        fn(name, t)
+    except Exception as e:  # a crash is a failed check; the next checks still run
+        traceback.print_exc()
+        record(name, False, time.perf_counter() - t, error=repr(e)[:800])
+    gc.collect()
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+def llm_(model, **kw):
+    from vllm import LLM
+
+    args = dict(dtype="bfloat16", max_model_len=8192, gpu_memory_utilization=0.35, seed=0)
+    args.update(kw)
+    return LLM(str(model), **args)
+
+
+def close(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+def greedy(n, logprobs=None, force=None, **kw):
+    from vllm import SamplingParams
+
+    extra = {"elastic_force": force} if force else None
+    return SamplingParams(max_tokens=n, temperature=0.0, logprobs=logprobs, extra_args=extra, **kw)
+
+
+def events_by_request(outs) -> list:
+    from elastic_vllm.vllm_plugin import observe
+
+    evs = observe.events()
+    out = []
+    for o in outs:
+        found = [e for e in evs if e.req_id.rsplit("-", 1)[0] == o.request_id or e.req_id == o.request_id]
+        out.append(found[-1] if found else None)
+    return out
+
+
+CHAT = [
+    "Which planet is known as the red planet?",
+    "Write a haiku about the sea.",
+    "Explain what a hash map is in two sentences.",
+    "Translate 'good morning' into French, Spanish and German.",
+    "List three primary colors of light.",
+    "What is 17 times 23? Show your work.",
+    "Give me a short motivational quote.",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+]
+
+
+def chat_prompts(tok):
+    return [
+        tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+        for c in CHAT
+    ]
+
+
+def compare_greedy(ref_out, out) -> tuple[bool, float, int]:
+    """(ok, max |logprob diff| where compared, positions compared), by the tolerance in the module docstring."""
+    worst, n = 0.0, 0
+    ref, got = ref_out.outputs[0], out.outputs[0]
+    for pos, (t_ref, t_got) in enumerate(zip(ref.token_ids, got.token_ids)):
+        lp_ref = ref.logprobs[pos]
+        top = sorted((v.logprob for v in lp_ref.values()), reverse=True)
+        margin = top[0] - top[1] if len(top) > 1 else float("inf")
+        if t_ref != t_got:
+            return margin < TIE_MARGIN, worst, n
+        worst = max(worst, abs(lp_ref[t_ref].logprob - got.logprobs[pos][t_got].logprob))
+        n += 1
+        if margin < TIE_MARGIN:  # past a near-tie the two may legitimately diverge later
+            break
+    return worst <= LOGPROB_ATOL, worst, n
+
+
+_REF: dict = {}
+
+
+def check_all_fa(runner: str):
+    def run(name, t0):
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+        if "flash" not in _REF:
+            llm = llm_(ARGS.model, attention_backend="FLASH_ATTN")
+            prompts = chat_prompts(llm.get_tokenizer())
+            _REF["flash"] = (prompts, llm.generate(prompts, greedy(32, logprobs=2), use_tqdm=False))
+            close(llm)
+        prompts, ref = _REF["flash"]
+        llm = llm_(ARGS.model, attention_backend="elastic", additional_config={"elastic": {"force": "all-FA"}})
+        use_v2 = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
+        outs = llm.generate(prompts, greedy(32, logprobs=2), use_tqdm=False)
+        close(llm)
+        rows = [compare_greedy(r, o) for r, o in zip(ref, outs)]
+        record(
+            name,
+            all(ok for ok, _, _ in rows) and use_v2 == (runner == "v2"),
+            time.perf_counter() - t0,
+            v2_runner=use_v2,
+            max_logprob_diff=max(w for _, w, _ in rows),
+            positions_compared=sum(n for _, _, n in rows),
+            identical_outputs=sum(r.outputs[0].token_ids == o.outputs[0].token_ids for r, o in zip(ref, outs)),
+        )
+
+    return run
+
+
+def check_graphs(name, t0):
+    from elastic_vllm.vllm_plugin import observe
+
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    cfg = {"elastic": {"force": "all-SA", "sink": 16, "window": 64, "decode_mode": "sparse"}}
+    res = {}
+    for mode, eager in (("graphs", False), ("eager", True)):
+        llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg, enforce_eager=eager)
+        prompts = chat_prompts(llm.get_tokenizer())
+        before = observe.COUNTERS.forward_calls
+        outs = llm.generate(prompts, greedy(48), use_tqdm=False)
+        res[mode] = (observe.COUNTERS.forward_calls - before, [o.outputs[0].token_ids for o in outs])
+        close(llm)
+    calls_graphs, calls_eager = res["graphs"][0], res["eager"][0]
+    same = res["graphs"][1] == res["eager"][1]
+    # eager: 30 forward calls per step (>= 48 steps); graphs: only the prefill steps run the Python forward
+    record(name, same and calls_graphs < calls_eager / 4, time.perf_counter() - t0,
+           forward_calls_graphs=calls_graphs, forward_calls_eager=calls_eager, same_tokens=same)  # fmt: skip
+
+
+def needle_router(tmp: Path) -> Path:
+    if ARGS.router:
+        return Path(ARGS.router)
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from elastic_vllm.eval.needle import make_needle_prompt
+    from tests.vllm_cpu.hf_ref import HFReference
+    from tests.vllm_cpu.routers import SMOLLM2_RETRIEVAL_HEADS, head_selecting_rules, linear_router, save_test_router
+
+    ref = HFReference(ARGS.model)
+    tok = ref.tok
+    texts = [chat_prompts(tok)[i] for i in range(3)] + [make_needle_prompt(tok, 300, seed=0).text(tok)]
+    pooled = torch.stack([ref.pooled(tok(t).input_ids) for t in texts])
+    r = linear_router(30, 64, head_selecting_rules(pooled, SMOLLM2_RETRIEVAL_HEADS))
+    return save_test_router(r, tmp / "retrieval", 3, "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def check_needle(name, t0):
+    from elastic_vllm.eval.needle import make_needle_prompt
+
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    with tempfile.TemporaryDirectory() as td:
+        router = needle_router(Path(td))
+        cfg = {"elastic": {"router_path": str(router), "sink": 128, "window": 512, "decode_mode": "sparse"}}
+        llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg, enable_prefix_caching=False)
+        tok = llm.get_tokenizer()
+        needles = [
+            make_needle_prompt(tok, ARGS.needle_len, depth=(i % 5 + 0.5) / 5, seed=i) for i in range(ARGS.needle_n)
+        ]
+        texts = [n.text(tok) for n in needles]
+        acc, msr = {}, []
+        for force in ("auto", "all-FA"):
+            outs = llm.generate(texts, greedy(12, force=force), use_tqdm=False)
+            acc[force] = sum(n.answer in o.outputs[0].text for n, o in zip(needles, outs)) / len(needles)
+            if force == "auto":
+                msr = [e.omega_msr for e in events_by_request(outs) if e is not None]
+        close(llm)
+    ok = acc["auto"] >= acc["all-FA"] - 0.2 and len(msr) == len(needles)
+    record(name, ok, time.perf_counter() - t0, accuracy=acc, mean_omega_msr=sum(msr) / max(len(msr), 1),
+           prompts=len(needles), prompt_tokens=ARGS.needle_len)  # fmt: skip
+
+
+def check_batch(name, t0):
+    import torch
+
+    from elastic_vllm.eval.needle import make_needle_prompt
+
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    with tempfile.TemporaryDirectory() as td:
+        router = needle_router(Path(td))
+        cfg = {"elastic": {"router_path": str(router), "sink": 64, "window": 256}}
+        llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg)
+        tok = llm.get_tokenizer()
+        texts = chat_prompts(tok)[:4] + [make_needle_prompt(tok, 1500, seed=s).text(tok) for s in range(2)]
+        forces = ["auto", "all-FA", "all-SA", "auto", "all-SA", "auto"]
+        outs = llm.generate(texts, [greedy(16, force=f) for f in forces], use_tqdm=False)
+        evs = events_by_request(outs)
+        close(llm)
+    recorded = all(e is not None for e in evs)
+    want = all(
+        e is not None
+        and (f == "auto" or (f == "all-FA" and bool(e.decisions.all())) or (f == "all-SA" and not e.decisions.any()))
+        for e, f in zip(evs, forces)
+    )
+    distinct = len({tuple(e.decisions.flatten().tolist()) for e in evs if e is not None})
+    nonempty = all(len(o.outputs[0].token_ids) > 0 for o in outs)
+    record(name, recorded and want and distinct >= 3 and nonempty, time.perf_counter() - t0,
+           distinct_routings=distinct, omega_msr=[round(e.omega_msr, 3) for e in evs if e is not None],
+           decisions_equal_shape=all(e.decisions.shape == torch.Size([30, 3]) for e in evs if e is not None))  # fmt: skip
+
+
+def check_long(name, t0):
+    import torch
+
+    from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
+    from elastic_vllm.router.model import ElasticRouter
+
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    n = ARGS.long_len
+    with tempfile.TemporaryDirectory() as td:
+        mdir = Path(td) / "llama8b"
+        mdir.mkdir()
+        (mdir / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "bos_token_id": 128000, "eos_token_id": 128001,
+        }))  # fmt: skip
+        torch.manual_seed(0)
+        meta = RouterMeta(backbone=BackboneMeta(num_layers=32, num_kv_heads=8, head_dim=128, id="dummy-llama-3.1-8b"))
+        router = save_router(ElasticRouter(32, 128), Path(td) / "router", meta)
+        cfg = {"elastic": {"router_path": str(router), "sink": 128, "window": 2048}}
+        llm = llm_(
+            mdir, attention_backend="elastic", additional_config=cfg, load_format="dummy", skip_tokenizer_init=True,
+            max_model_len=n + 64, enable_prefix_caching=False, max_num_batched_tokens=16384,
+            gpu_memory_utilization=0.85,
+        )  # fmt: skip
+        ids = torch.randint(1000, 120000, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        times, msr = {}, None
+        for force in ("auto", "all-FA"):
+            t = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": ids}], greedy(4, force=force, detokenize=False), use_tqdm=False)[0]
+            times[force] = round(time.perf_counter() - t, 2)
+            if force == "auto":
+                (e,) = events_by_request([out])
+                msr = None if e is None else round(e.omega_msr, 3)
+            assert len(out.outputs[0].token_ids) == 4
+        close(llm)
+    record(name, msr is not None, time.perf_counter() - t0, prompt_tokens=n, seconds=times, omega_msr=msr)
+
+
+CHECKS = {
+    "all_fa": [("all_fa_v2", check_all_fa("v2")), ("all_fa_v1", check_all_fa("v1"))],
+    "graphs": [("graphs", check_graphs)],
+    "needle": [("needle", check_needle)],
+    "batch": [("batch", check_batch)],
+    "long": [("long", check_long)],
+}
+
+
+def main() -> int:
+    global ARGS, ENV
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="SmolLM2-135M-Instruct folder (transformers format)")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_vllm.json"))
+    p.add_argument("--router", help="router folder for the needle and batch checks (default: constructed)")
+    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")
+    p.add_argument("--needle-n", type=int, default=10)
+    p.add_argument("--needle-len", type=int, default=2000)
+    p.add_argument("--long-len", type=int, default=131072)
+    ARGS = p.parse_args()
+    bootstrap()
+    from elastic_vllm.vllm_plugin import plugin
+
+    plugin.register()  # in-process engines: no entry point needed
+    import vllm
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    ENV = {**env_info(), "vllm": vllm.__version__, "argv": sys.argv}
+    assert AttentionBackendEnum["ELASTIC"] is AttentionBackendEnum.CUSTOM
+    for key in ARGS.checks.split(","):
+        for name, fn in CHECKS[key.strip()]:
+            run_check(name, fn)
+    failed = [r["name"] for r in RESULTS if not r["ok"]]
+    print("FAILED: " + ", ".join(failed) if failed else "all checks passed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

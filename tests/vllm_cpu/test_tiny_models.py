@@ -1,0 +1,193 @@
+"""Tiny random Llama (head_dim 64) and Qwen3 (head_dim 128, q/k norm) served by vLLM with the elastic
+backend: all-FA equals CPU_ATTN, routing equals the transformers elastic reference, the Triton kernels
+(under TRITON_INTERPRET) give the same results as the PyTorch path, preemption re-routes identically,
+and a missing or mismatched router fails at startup with a message naming the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from elastic_vllm.router.model import ElasticRouter
+from elastic_vllm.vllm_plugin import observe
+
+from .conftest import KV_BYTES, close_llm, make_llm
+from .helpers import compare_decisions, event_of, greedy, top_logprobs
+from .hf_ref import HFElasticReference
+from .routers import save_test_router
+from .tiny_models import TINY, build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+ENGINE = dict(
+    max_num_batched_tokens=256, max_num_seqs=8, block_size=32, max_model_len=1024, kv_cache_memory_bytes=32 << 20
+)
+ELASTIC = {"sink": 2, "window": 8}
+PROMPTS = [
+    "Once upon a time, in a village by the sea, there lived an old fisherman who",
+    "The recipe calls for two cups of flour, one egg, a pinch of salt and",
+    "Rain fell on the empty streets of the city while the clocks struck midnight and",
+]
+LOGPROB_ATOL = 1e-3  # float32 both ways; see test_engine.LOGPROB_ATOL
+_CPU_ATTN: dict[str, list] = {}  # CPU_ATTN outputs (plugin installed), reused by the plugin-less comparison
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, demo_model_dir):
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for kind in TINY:
+        model = build_tiny_model(kind, root / kind, demo_model_dir)
+        head_dim = TINY[kind]["head_dim"]
+        torch.manual_seed(1)
+        router = save_test_router(
+            ElasticRouter(2, head_dim), root / f"{kind}-router", TINY[kind]["num_key_value_heads"]
+        )
+        out[kind] = (model, router)
+    return out
+
+
+@pytest.mark.parametrize("kind", list(TINY))
+def test_tiny_model_all_fa_matches_cpu_attn_and_routing_matches_transformers(tiny, kind):
+    model, router = tiny[kind]
+    llm = make_llm(
+        model,
+        attention_backend="elastic",
+        additional_config={"elastic": {**ELASTIC, "router_path": str(router)}},
+        **ENGINE,
+    )
+    try:
+        fa = llm.generate(PROMPTS, greedy(6, logprobs=1, force="all-FA"), use_tqdm=False)
+        auto = llm.generate(PROMPTS, greedy(2), use_tqdm=False)
+    finally:
+        close_llm(llm)
+    ref = HFElasticReference(model, {**ELASTIC, "router_path": str(router)}, router)
+    for o in auto:
+        e = event_of(o.request_id)
+        assert e.prompt_len > ELASTIC["window"] and e.decisions.shape == (2, TINY[kind]["num_key_value_heads"])
+        compare_decisions(e, ref.route(o.prompt_token_ids)[0])
+    before = observe.COUNTERS.snapshot()
+    cpu = make_llm(model, attention_backend="CPU_ATTN", **ENGINE)
+    try:
+        theirs = cpu.generate(PROMPTS, greedy(6, logprobs=1), use_tqdm=False)
+    finally:
+        close_llm(cpu)
+    assert observe.COUNTERS.snapshot() == before  # another backend selected: no elastic code ran
+    _CPU_ATTN[kind] = [(o.outputs[0].token_ids, top_logprobs(o)) for o in theirs]
+    for a, b in zip(fa, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert max(abs(x - y) for x, y in zip(top_logprobs(a), top_logprobs(b))) <= LOGPROB_ATOL
+
+
+def test_triton_kernels_path_equals_torch_path(tiny):
+    """The GPU path (csrc kernels: fused router, hybrid prefill, split-KV decode), run by the CPU engine
+    through Triton's interpreter, gives the torch path's routing and tokens."""
+    try:
+        import elastic_vllm.csrc.decode
+        import elastic_vllm.csrc.prefill
+        import elastic_vllm.csrc.route  # noqa: F401
+    except ImportError as e:  # pragma: no cover - the kernels are part of the package
+        pytest.skip(f"elastic_vllm.csrc kernels not importable: {e}")
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    model, router = tiny["llama"]
+    results = {}
+    for ops in ("torch", "triton"):
+        cfg = {"elastic": {**ELASTIC, "router_path": str(router)}, "elastic_ops": ops}
+        llm = make_llm(
+            model, attention_backend="elastic", additional_config=cfg, **{**ENGINE, "max_num_batched_tokens": 32}
+        )
+        try:
+            outs = llm.generate(PROMPTS[:2], greedy(3, logprobs=1), use_tqdm=False)
+        finally:
+            close_llm(llm)
+        results[ops] = [(o.outputs[0].token_ids, top_logprobs(o), event_of(o.request_id)) for o in outs]
+    for (t_a, lp_a, e_a), (t_b, lp_b, e_b) in zip(results["torch"], results["triton"]):
+        assert t_a == t_b
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) <= LOGPROB_ATOL
+        assert torch.equal(e_a.decisions, e_b.decisions)
+        torch.testing.assert_close(e_a.logits, e_b.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_preemption_reroutes_identically(tiny):
+    """A KV cache too small for the batch: vLLM preempts and later recomputes requests; their routing is
+    recomputed from the same keys, equals the first one, and is recorded once."""
+    model, router = tiny["llama"]
+    cfg = {"elastic": {**ELASTIC, "router_path": str(router)}}
+    # 2 KB per token (2 layers x 2 KV heads x 64 x K,V x fp32): 16 blocks of 32 tokens for 4 x ~190 tokens
+    llm = make_llm(
+        model,
+        attention_backend="elastic",
+        additional_config=cfg,
+        **{**ENGINE, "kv_cache_memory_bytes": 16 * 32 * 2048, "max_model_len": 256},
+    )
+    try:
+        params = greedy(90, ignore_eos=True)
+        prompts = [p + " " + p for p in PROMPTS] + [PROMPTS[0] + " and then"]
+        before = observe.COUNTERS.snapshot()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        after = observe.COUNTERS.snapshot()
+    finally:
+        close_llm(llm)
+    assert after["rerouted"] > before["rerouted"]
+    assert after["reroute_mismatches"] == before["reroute_mismatches"]
+    assert after["final_routings"] - before["final_routings"] == len(prompts)  # once per request
+    for o in outs:
+        event_of(o.request_id)
+        assert len(o.outputs[0].token_ids) == 90
+
+
+def test_missing_or_mismatched_router_fails_at_startup(tiny, monkeypatch):
+    model, _ = tiny["llama"]
+    monkeypatch.setenv("ELASTIC_VLLM_ROUTER_WEIGHTS", str(model / "no-routers"))
+    with pytest.raises(Exception, match=r"no router for .*router_path.*force"):
+        make_llm(model, attention_backend="elastic", **ENGINE)
+    _, qwen_router = tiny["qwen3"]
+    with pytest.raises(Exception, match=r"head_dim: router 128 vs model 64"):
+        make_llm(
+            model,
+            attention_backend="elastic",
+            additional_config={"elastic": {"router_path": str(qwen_router)}},
+            **ENGINE,
+        )
+
+
+def test_without_plugin_vllm_gives_the_same_outputs(tiny):
+    """CPU_ATTN with the plugin installed (this process) == CPU_ATTN with the plugin not loaded at all."""
+    model, _ = tiny["llama"]
+    ref = _CPU_ATTN.get("llama")
+    if ref is None:
+        cpu = make_llm(model, attention_backend="CPU_ATTN", **ENGINE)
+        try:
+            ref = [
+                (o.outputs[0].token_ids, top_logprobs(o))
+                for o in cpu.generate(PROMPTS, greedy(10, logprobs=1), use_tqdm=False)
+            ]
+        finally:
+            close_llm(cpu)
+    engine = {**ENGINE, "kv_cache_memory_bytes": ENGINE.get("kv_cache_memory_bytes", KV_BYTES)}
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from vllm import LLM, SamplingParams
+        llm = LLM({str(model)!r}, enforce_eager=True, dtype="float32", seed=0, attention_backend="CPU_ATTN", **{engine!r})
+        outs = llm.generate({PROMPTS!r}, SamplingParams(max_tokens=6, temperature=0.0, logprobs=1), use_tqdm=False)
+        assert not any(m.startswith("elastic_vllm") for m in sys.modules), "the plugin was imported"
+        print("RESULT " + json.dumps([[o.outputs[0].token_ids,
+              [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]] for o in outs]))
+        """
+    )
+    env = dict(
+        os.environ, VLLM_PLUGINS="lora_filesystem_resolver,lora_hf_hub_resolver", VLLM_ENABLE_V1_MULTIPROCESSING="0"
+    )
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    for (t_ref, lp_ref), (t, lp) in zip(ref, got):
+        assert t == t_ref
+        assert max(abs(x - y) for x, y in zip(lp, lp_ref)) <= 1e-6
