@@ -142,3 +142,41 @@ def vllm_agreement(
         "vllm_forward_calls": calls,
     }
     return {"summary": summary, "prompts": rows, "config": cfg.model_dump()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m elastic_vllm.eval.agreement --model DIR --router DIR --n 4 --out FILE.json`` (CPU)."""
+    import argparse
+    import json
+    import sys
+
+    from elastic_vllm.eval.harness import DEFAULT_DATA, base_config, provenance
+    from elastic_vllm.eval.ruler import read_jsonl
+
+    p = argparse.ArgumentParser(prog="python3 -m elastic_vllm.eval.agreement", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--router", help="router folder (default: none, then --force decides)")
+    p.add_argument("--force", default="auto", choices=["auto", "all-FA", "all-SA"])
+    p.add_argument("--data", default=DEFAULT_DATA[0], help="RULER records (the shortest prompt of each task is used)")
+    p.add_argument("--n", type=int, default=4, help="prompts (one per RULER task, shortest first)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--out", required=True, help="JSON file")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    cfg, router_meta = base_config(a.router, None, None)
+    cfg = ElasticConfig.parse({**cfg.model_dump(), "force": a.force})
+    best: dict[str, dict] = {}
+    for r in read_jsonl(a.data):
+        if r["task"] not in best or r["prompt_tokens"] < best[r["task"]]["prompt_tokens"]:
+            best[r["task"]] = r
+    records = sorted(best.values(), key=lambda r: r["prompt_tokens"])[: a.n]
+    res = vllm_agreement(a.model, a.router, records, cfg, a.max_new_tokens)
+    res["provenance"] = provenance(list(getattr(sys, "orig_argv", sys.argv)), torch.device("cpu"))
+    res["router_meta"] = router_meta
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res["summary"]))
+    return 0 if res["summary"]["routing_equal"] == 1.0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
