@@ -136,6 +136,7 @@ def _xa_loop(
     p_xi,  # xa_block_idx[b, h]
     p_xc,  # xa_block_cnt[b, h]
     s_xi2,
+    is_xa,  # False: an empty list (a FA/SSA head of a launch with XA metadata)
     s_kb,
     s_kt,
     s_vb,
@@ -155,8 +156,8 @@ def _xa_loop(
     base = ctx // XA_BLOCK
     a1 = q_lo // XA_BLOCK
     a2 = q_hi // XA_BLOCK
-    n1 = tl.load(p_xc + (a1 - base))
-    n2 = tl.load(p_xc + (a2 - base), mask=a2 != a1, other=0)
+    n1 = tl.load(p_xc + (a1 - base), mask=is_xa, other=0)
+    n2 = tl.load(p_xc + (a2 - base), mask=is_xa & (a2 != a1), other=0)
     p_l1 = p_xi + (a1 - base).to(tl.int64) * s_xi2
     p_l2 = p_xi + (a2 - base).to(tl.int64) * s_xi2
     row_qb = q_pos // XA_BLOCK  # [BM]
@@ -283,20 +284,22 @@ def _prefill_kernel(
     eff_sink = tl.where(is_ssa, sink, 0)
     eff_window = tl.where(is_ssa, window, 1 << 30)
     if HAS_XA:
-        if mode == 2:
-            p_xi = xa_idx + i_b.to(tl.int64) * s_xi0 + i_h.to(tl.int64) * s_xi1
-            p_xc = xa_cnt + i_b.to(tl.int64) * s_xc0 + i_h.to(tl.int64) * s_xc1
-            acc, l_i, m_i = _xa_loop(
-                acc, l_i, m_i, b_q, p_k, p_v, p_bt, q_pos, q_lo, q_hi, ctx, seq_len, p_xi, p_xc, s_xi2,
-                s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
-                XA_BLOCK, BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
-            )  # fmt: skip
-        else:
-            acc, l_i, m_i = _window_loops(
-                acc, l_i, m_i, b_q, p_k, p_v, k_desc, v_desc, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink,
-                eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-                BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, USE_TMA, DOT_PREC,
-            )  # fmt: skip
+        # straight-line, no if/else on the mode: an XA head's window loops are empty (q_hi = -1) and a
+        # FA/SSA head's XA list is empty. (An if/else merging acc from the two paths made ptxas
+        # serialize every wgmma of the kernel, warning C7515, in the sm_90 build.)
+        is_xa = mode == 2
+        acc, l_i, m_i = _window_loops(
+            acc, l_i, m_i, b_q, p_k, p_v, k_desc, v_desc, p_bt, q_pos, q_lo, tl.where(is_xa, -1, q_hi), seq_len,
+            eff_sink, eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, USE_TMA, DOT_PREC,
+        )  # fmt: skip
+        p_xi = xa_idx + i_b.to(tl.int64) * s_xi0 + i_h.to(tl.int64) * s_xi1
+        p_xc = xa_cnt + i_b.to(tl.int64) * s_xc0 + i_h.to(tl.int64) * s_xc1
+        acc, l_i, m_i = _xa_loop(
+            acc, l_i, m_i, b_q, p_k, p_v, p_bt, q_pos, q_lo, q_hi, ctx, seq_len, p_xi, p_xc, s_xi2, is_xa,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+            XA_BLOCK, BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
+        )  # fmt: skip
     else:
         acc, l_i, m_i = _window_loops(
             acc, l_i, m_i, b_q, p_k, p_v, k_desc, v_desc, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink, eff_window,
@@ -309,15 +312,21 @@ def _prefill_kernel(
     tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
 
 
-def default_prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
-    """Tile sizes for Hopper (H100/H200). d <= 128: 128-row query tiles x 128-key tiles, 8 warps (two
-    warpgroups of 64 rows), 3 stages = three K/V buffers, 224 KB of shared memory at d 128 (H200,
-    first run: 128-key tiles 350 TFLOP/s vs 290 with 64-key tiles, before the pipelining fix)."""
+def default_prefill_config(head_dim: int, group: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """Tile sizes. Hopper+ (>= 227 KB of shared memory per block), 16-bit, d <= 128: 128-row query
+    tiles x 128-key tiles, 8 warps (two warpgroups of 64 rows), 3 stages = three K/V buffers:
+    224 KB at d 128 (H200, first run: 128-key tiles 350 TFLOP/s vs 290 with 64-key tiles, both
+    before the pipelining fix). Other GPUs and fp32 (a checking path): tiles that fit ~128 KB."""
     if interpret():
         # the interpreter's cost is per program and per op: big tiles, few programs
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 1}
+    big_smem = device is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+    if dtype == torch.float32:
+        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
+    if head_dim <= 64:
+        return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
     if head_dim <= 128:
-        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+        return {"block_m": 128, "block_n": 128 if big_smem else 64, "num_warps": 8, "num_stages": 3}
     return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
@@ -456,7 +465,7 @@ def prefill_attention(
         return out
 
     g = hq // hkv
-    cfg = default_prefill_config(d, g, q.dtype)
+    cfg = default_prefill_config(d, g, q.dtype, dev)
     bm = block_m or cfg["block_m"]
     bn = block_n or cfg["block_n"]
     bm = max(bm, next_pow2(g), 16)
