@@ -96,6 +96,23 @@ def events(req_id: str | None = None) -> list[RoutingEvent]:
         return [e for e in _events if req_id is None or e.req_id == req_id]
 
 
+def rpc_events(_worker=None) -> list[dict]:
+    """This process's routing events as plain data, for ``LLM.collective_rpc(rpc_events)`` (one list per
+    worker: with tensor parallelism, each rank's events cover its own KV heads)."""
+    return [
+        {
+            "req_id": e.req_id,
+            "tp_rank": e.tp_rank,
+            "kv_heads": list(e.kv_heads),
+            "decisions": e.decisions.tolist(),
+            "logits": e.logits.tolist(),
+            "omega_msr": e.omega_msr,
+            "prompt_len": e.prompt_len,
+        }
+        for e in events()
+    ]
+
+
 def clear() -> None:
     with _lock:
         _events.clear()

@@ -191,3 +191,34 @@ def test_without_plugin_vllm_gives_the_same_outputs(tiny):
     for (t_ref, lp_ref), (t, lp) in zip(ref, got):
         assert t == t_ref
         assert max(abs(x - y) for x, y in zip(lp, lp_ref)) <= 1e-6
+
+
+def test_tensor_parallel_ranks_route_their_own_heads(tiny, monkeypatch):
+    """TP=2 on the CPU (one KV head per rank): each rank routes its own head, and the two ranks together
+    decide what one rank decides at TP=1."""
+    from elastic_vllm.vllm_plugin.observe import rpc_events
+
+    model, router = tiny["llama"]
+    cfg = {"elastic": {**ELASTIC, "router_path": str(router)}}
+    prompt = PROMPTS[0]
+    single = make_llm(model, attention_backend="elastic", additional_config=cfg, **ENGINE)
+    try:
+        one = single.generate([prompt], greedy(3), use_tqdm=False)[0]
+    finally:
+        close_llm(single)
+    want = event_of(one.request_id)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (auto binding needs 2 NUMA nodes)
+    tp = make_llm(model, attention_backend="elastic", additional_config=cfg, tensor_parallel_size=2, **ENGINE)
+    try:
+        two = tp.generate([prompt], greedy(3), use_tqdm=False)[0]
+        per_rank = tp.collective_rpc(rpc_events)
+    finally:
+        close_llm(tp)
+    assert [ev[-1]["tp_rank"] for ev in per_rank] == [0, 1]
+    assert [ev[-1]["kv_heads"] for ev in per_rank] == [[0], [1]]
+    merged = torch.cat([torch.tensor(ev[-1]["decisions"]) for ev in per_rank], dim=1)  # [L, 2] in global order
+    logits = torch.cat([torch.tensor(ev[-1]["logits"]) for ev in per_rank], dim=1)
+    torch.testing.assert_close(logits, want.logits, atol=1e-4, rtol=1e-4)
+    margin = (want.logits[..., 1] - want.logits[..., 0]).abs()
+    assert torch.equal(merged[margin > 1e-3], want.decisions[margin > 1e-3])
+    assert two.outputs[0].token_ids == one.outputs[0].token_ids
