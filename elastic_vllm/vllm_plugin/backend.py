@@ -85,6 +85,7 @@ class ElasticMetadata:
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
     state: Any  # state.EngineState
+    prefill_query_start_loc: torch.Tensor | None = None  # [B - num_decodes + 1] (Triton path, mixed steps)
     causal: bool = True
 
 
@@ -112,6 +113,9 @@ class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
         num_decodes = 0
         while num_decodes < cm.num_reqs and qsl[num_decodes + 1] - qsl[num_decodes] == 1:
             num_decodes += 1
+        prefill_qsl = None
+        if self.state.ops == "triton" and num_decodes < cm.num_reqs:
+            prefill_qsl = cm.query_start_loc[num_decodes:] - num_decodes  # once per step, not per layer
         return ElasticMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=cm.num_reqs,
@@ -127,6 +131,7 @@ class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
             query_start_loc_host=qsl,
             seq_lens_host=plan.seq_lens,
             state=self.state,
+            prefill_query_start_loc=prefill_qsl,
         )
 
 
@@ -230,6 +235,7 @@ class ElasticAttentionImpl(compat.AttentionImpl[ElasticMetadata]):
                 md.max_query_len,
                 md.max_seq_len,
                 st.cfg.uses_xattn,
+                md.prefill_query_start_loc,
             )
         observe.COUNTERS.forward_calls += 1
         return output

@@ -202,6 +202,7 @@ def triton_attention(
     max_query_len: int,
     max_seq_len: int,
     uses_xattn: bool = False,
+    prefill_query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Single-token rows (the first ``num_decodes``: the builder has vLLM put them first) go to the
     split-KV decode kernel (``decode.decode_attention``; XA heads read every key there), the other
@@ -226,7 +227,9 @@ def triton_attention(
         )
     if num_decodes < B:
         qp, bt = q[num_decode_tokens:], block_table[num_decodes:]
-        qsl = query_start_loc[num_decodes:] - num_decode_tokens
+        qsl = prefill_query_start_loc
+        if qsl is None:
+            qsl = query_start_loc[num_decodes:] - num_decode_tokens
         sl, hm = seq_lens[num_decodes:], head_modes[num_decodes:]
         xa_idx = xa_cnt = None
         if uses_xattn:

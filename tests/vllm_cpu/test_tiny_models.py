@@ -86,32 +86,46 @@ def test_tiny_model_all_fa_matches_cpu_attn_and_routing_matches_transformers(tin
 
 
 def test_triton_kernels_path_equals_torch_path(tiny):
-    """The GPU path (csrc kernels: fused router, hybrid prefill, split-KV decode), run by the CPU engine
-    through Triton's interpreter, gives the torch path's routing and tokens."""
+    """The GPU path (csrc kernels: fused router, XAttention selection, hybrid prefill, split-KV decode),
+    run by the CPU engine through Triton's interpreter, gives the torch path's routing and tokens.
+    Mode XA-SSA with sparse decode: prefill has XA and SSA heads, decode SSA and dense heads."""
     try:
         import elastic_vllm.csrc.decode
         import elastic_vllm.csrc.prefill
-        import elastic_vllm.csrc.route  # noqa: F401
+        import elastic_vllm.csrc.route
+        import elastic_vllm.csrc.xattn_select  # noqa: F401
     except ImportError as e:  # pragma: no cover - the kernels are part of the package
         pytest.skip(f"elastic_vllm.csrc kernels not importable: {e}")
     assert os.environ.get("TRITON_INTERPRET") == "1"
     model, router = tiny["llama"]
+    knobs = {
+        **ELASTIC,
+        "mode": "XA-SSA",
+        "decode_mode": "sparse",
+        "xattn_block": 16,
+        "xattn_stride": 4,
+        "xattn_threshold": 0.5,
+    }
+    prompts = [p + " " + p for p in PROMPTS[:2]]  # ~30-35 tokens: 2-3 XA blocks, past the SSA window
     results = {}
     for ops in ("torch", "triton"):
-        cfg = {"elastic": {**ELASTIC, "router_path": str(router)}, "elastic_ops": ops}
+        cfg = {"elastic": {**knobs, "router_path": str(router)}, "elastic_ops": ops}
         llm = make_llm(
             model, attention_backend="elastic", additional_config=cfg, **{**ENGINE, "max_num_batched_tokens": 32}
         )
         try:
-            outs = llm.generate(PROMPTS[:2], greedy(3, logprobs=1), use_tqdm=False)
+            outs = llm.generate(prompts, greedy(3, logprobs=1), use_tqdm=False)
         finally:
             close_llm(llm)
         results[ops] = [(o.outputs[0].token_ids, top_logprobs(o), event_of(o.request_id)) for o in outs]
+    modes = set()
     for (t_a, lp_a, e_a), (t_b, lp_b, e_b) in zip(results["torch"], results["triton"]):
         assert t_a == t_b
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) <= LOGPROB_ATOL
-        assert torch.equal(e_a.decisions, e_b.decisions)
+        assert torch.equal(e_a.decisions, e_b.decisions) and torch.equal(e_a.head_modes, e_b.head_modes)
         torch.testing.assert_close(e_a.logits, e_b.logits, atol=1e-4, rtol=1e-4)
+        modes |= set(e_a.head_modes.flatten().tolist())
+    assert modes == {1, 2}  # both SSA and XA heads ran
 
 
 def test_preemption_reroutes_identically(tiny):
