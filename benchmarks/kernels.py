@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 """Kernel benchmarks: correctness first, then timing against the anchors, in one run on one GPU.
 
-    python3 benchmarks/kernels.py [--out PATH] [--quick] [--budget SECONDS]
+    GIT_COMMIT=<sha> python3 benchmarks/kernels.py [--out PATH] [--quick] [--budget SECONDS]
 
 Prefill (Llama-3.1-8B attention: 32 q / 8 KV heads, bf16, batch 1, causal; head_dim 128 and 64;
 SSA heads with sink 128 + window 2048; SA share = share of KV heads in SSA), at 8K/32K/128K/256K:
-  ours    elastic_vllm.csrc.prefill over a paged cache (block 16, randomly permuted blocks)
+  ours    elastic_vllm.csrc.prefill over a paged cache (randomly permuted blocks) in the config the
+          tune section picked at 32K (block size 16 or 128, 64/128-key tiles, TMA or pointer loads)
   sdpa    torch SDPA flash backend, dense causal (GQA through enable_gqa)
-  flex    FlexAttention, ONE call, per-head BlockMask (exact full/partial blocks) = the hybrid anchor
-  split   SDPA flash on the FA heads + Flex on the SA heads, two calls (heads pre-split, untimed)
+  flex    FlexAttention, ONE compiled call, per-head BlockMask (exact full/partial blocks) = the hybrid anchor
+  split   SDPA flash on the FA heads + compiled Flex on the SA heads, two calls (heads pre-split, untimed)
 Decode at 32K/128K contexts, batch 1/16/64, dense (every head FA) vs sparse (75% SSA).
 Router: all 32 layers of an 8B-shaped model (8 KV heads, d 128) for one request (eager and graph).
 Reports median ms with p20/p80 (triton.testing.do_bench), TFLOP/s or TB/s counting only the work
-the mask requires, ratios to each anchor; JSON (GPU, torch/triton versions, git commit) written
-after every measurement, so a run cut short keeps what it measured. Sections run in priority
-order and are skipped (and listed as skipped) once --budget seconds are used.
+the mask requires, ratios to each anchor; JSON (GPU, torch/triton versions, commit from $GIT_COMMIT)
+written after every measurement, so a run cut short keeps what it measured. Sections run in
+priority order (correctness, tune, prefill 32K/128K d128, decode, router, then 8K, d64, 256K) and are
+skipped (and listed as skipped) once --budget seconds would be exceeded.
 """
 
 from __future__ import annotations
@@ -101,18 +103,27 @@ def prefill_inputs(S: int, d: int, seed: int = 0) -> dict:
     q = torch.randn(S, HQ, d, device=DEV, dtype=DT, generator=g)
     k = torch.randn(S, HKV, d, device=DEV, dtype=DT, generator=g)
     v = torch.randn(S, HKV, d, device=DEV, dtype=DT, generator=g)
-    kc, vc, bt = make_paged([k], [v], BS, torch.Generator().manual_seed(seed))
-    return {
+    x = {
         "q": q,
-        "kc": kc,
-        "vc": vc,
-        "bt": bt,
         "qsl": torch.tensor([0, S], device=DEV, dtype=torch.int32),
         "sl": torch.tensor([S], device=DEV, dtype=torch.int32),
         "qT": q.transpose(0, 1).contiguous()[None],  # [1, Hq, S, d] for SDPA / Flex
         "kT": k.transpose(0, 1).contiguous()[None],
         "vT": v.transpose(0, 1).contiguous()[None],
+        "seed": seed,
+        "caches": {},
     }
+    del k, v
+    return x
+
+
+def paged(x: dict, bs: int) -> tuple:
+    """(key_cache, value_cache, block_table) of x's keys in ``bs``-token blocks (views of one
+    [num_blocks, 2, bs, Hkv, d] tensor, randomly permuted blocks), built once per block size."""
+    if bs not in x["caches"]:
+        k, v = x["kT"][0].transpose(0, 1), x["vT"][0].transpose(0, 1)
+        x["caches"][bs] = make_paged([k], [v], bs, torch.Generator().manual_seed(x["seed"] + bs))
+    return x["caches"][bs]
 
 
 def sa_heads(share: float) -> list[bool]:
@@ -155,21 +166,44 @@ def sdpa_fn(x: dict):
         return expanded, "flash, K/V expanded"
 
 
-def flex_block_mask(S: int, is_sa_q: list[bool]):
-    """BlockMask with exact full/partial blocks (what create_block_mask would build), built block-wise."""
+SA_FLAGS = None  # [Hq] bool tensor read by the hybrid mask_mod, updated in place per share
+_BLOCK_MASKS: dict = {}
+_FLEX: dict = {}
+
+
+def _hybrid_mask_mod(b, h, q_idx, kv_idx):
+    causal = q_idx >= kv_idx
+    ssa = (kv_idx < SINK) | (q_idx - kv_idx < WINDOW)
+    return causal & (ssa | ~SA_FLAGS[h])
+
+
+def _ssa_mask_mod(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & ((kv_idx < SINK) | (q_idx - kv_idx < WINDOW))
+
+
+def set_sa_flags(is_sa_q: list[bool]) -> None:
+    """The hybrid mask_mod reads these flags at call time; the BlockMask of the same share matches."""
+    global SA_FLAGS
+    t = torch.tensor(is_sa_q, device=DEV)
+    if SA_FLAGS is None or SA_FLAGS.shape != t.shape:
+        SA_FLAGS = t
+    else:
+        SA_FLAGS.copy_(t)
+
+
+def flex_block_mask(S: int, is_sa_q: list[bool], mask_mod):
+    """BlockMask with exact full/partial blocks (what create_block_mask would build), built block-wise, cached."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+    key = (S, tuple(is_sa_q), mask_mod.__name__)
+    if key in _BLOCK_MASKS:
+        return _BLOCK_MASKS[key]
     blk = 128
-    sa_t = torch.tensor(is_sa_q, device=DEV)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        causal = q_idx >= kv_idx
-        ssa = (kv_idx < SINK) | (q_idx - kv_idx < WINDOW)
-        return causal & (ssa | ~sa_t[h])
-
     nb = S // blk
     if S % blk:
-        return create_block_mask(mask_mod, 1, len(is_sa_q), S, S, device=DEV), mask_mod
+        bm = create_block_mask(mask_mod, 1, len(is_sa_q), S, S, device=DEV)
+        _BLOCK_MASKS[key] = bm
+        return bm
     a = torch.arange(nb, device=DEV)
     a0, a1 = (a * blk)[:, None], (a * blk + blk - 1)[:, None]
     c0, c1 = (a * blk)[None, :], (a * blk + blk - 1)[None, :]
@@ -192,27 +226,35 @@ def flex_block_mask(S: int, is_sa_q: list[bool]):
         bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blk, mask_mod=mask_mod, compute_q_blocks=False)
     except TypeError:
         bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blk, mask_mod=mask_mod)
-    return bm, mask_mod
-
-
-_FLEX = {}
+    _BLOCK_MASKS[key] = bm
+    return bm
 
 
 def flex_compiled(kind: str):
-    """One compiled flex per use: the one-call hybrid static (as measured in ANCHORS.md); the split's
-    SA-only call dynamic, so its varying head count does not recompile per share."""
+    """torch.compile'd flex_attention (never the eager path: it materialises S x S scores). The hybrid
+    call is static (as ANCHORS.md measured it; one compile per sequence length and head_dim, not per
+    share: the mask reads its flags from a tensor); the split's SA-only call is dynamic."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if DEV.type != "cuda":
         return flex_attention
     if kind not in _FLEX:
-        _FLEX[kind] = torch.compile(flex_attention, dynamic=(kind == "split"))
+        import torch._dynamo
+
+        cfg = torch._dynamo.config
+        cfg.cache_size_limit = max(cfg.cache_size_limit, 64)
+        if hasattr(cfg, "accumulated_cache_size_limit"):
+            cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 512)
+        if hasattr(cfg, "fail_on_cache_limit_hit"):
+            cfg.fail_on_cache_limit_hit = True  # an error, not a silent eager fallback that OOMs
+        _FLEX[kind] = torch.compile(flex_attention, dynamic=(kind == "split"), fullgraph=True)
     return _FLEX[kind]
 
 
 def flex_hybrid_fn(x: dict, share: float):
     is_sa_q = [s for s in sa_heads(share) for _ in range(HQ // HKV)]
-    bm, _ = flex_block_mask(x["qT"].shape[2], is_sa_q)
+    set_sa_flags(is_sa_q)
+    bm = flex_block_mask(x["qT"].shape[2], is_sa_q, _hybrid_mask_mod)
     flex = flex_compiled("hybrid")
     return lambda: flex(x["qT"], x["kT"], x["vT"], block_mask=bm, enable_gqa=True)
 
@@ -242,20 +284,45 @@ def split_fn(x: dict, share: float, sdpa_full):
     if sa_kv:
         qi = torch.tensor([h * g + j for h in sa_kv for j in range(g)], device=DEV)
         q2, k2, v2 = (x["qT"][:, qi].contiguous(), x["kT"][:, sa_kv].contiguous(), x["vT"][:, sa_kv].contiguous())
-        bm, _ = flex_block_mask(q2.shape[2], [True] * q2.shape[1])
+        bm = flex_block_mask(q2.shape[2], [True] * q2.shape[1], _ssa_mask_mod)
         flex = flex_compiled("split")
         calls.append(lambda: flex(q2, k2, v2, block_mask=bm, enable_gqa=True))
     return lambda: [c() for c in calls]
 
 
-def ours_fn(x: dict, share: float, **cfg):
+# the prefill config used for "ours" after the tune section (block size of the cache + kernel options)
+OURS = {"bs": 16}
+
+
+def ours_fn(x: dict, share: float, cfg: dict | None = None):
     from elastic_vllm.csrc.prefill import prefill_attention
 
+    cfg = dict(OURS if cfg is None else cfg)
+    kc, vc, bt = paged(x, cfg.pop("bs"))
     hm = head_modes(share)
     out = torch.empty_like(x["q"])
     return lambda: prefill_attention(
-        x["q"], x["kc"], x["vc"], x["bt"], x["qsl"], x["sl"], hm, sink=SINK, window=WINDOW, out=out, **cfg
+        x["q"], kc, vc, bt, x["qsl"], x["sl"], hm, sink=SINK, window=WINDOW, out=out, **cfg
     )
+
+
+def kernel_resources(jit_fn) -> list[dict]:
+    """Registers, spills and shared memory of every compiled variant of a Triton kernel (best effort)."""
+    rows = []
+    try:
+        for cache in jit_fn.device_caches.values():
+            for k in cache[0].values():
+                k = k.result() if hasattr(k, "result") else k
+                md = k.metadata
+                consts = getattr(k.src, "constants", {}) if hasattr(k, "src") else {}
+                rows.append({
+                    "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                    "shared": getattr(md, "shared", None), "num_warps": getattr(md, "num_warps", None),
+                    "num_stages": getattr(md, "num_stages", None), "constants": {str(a): str(b) for a, b in consts.items()},
+                })  # fmt: skip
+    except Exception as e:
+        rows.append({"error": repr(e)[:200]})
+    return rows
 
 
 # ------------------------------------------------------------------------------------------ sections
@@ -277,30 +344,27 @@ def ceilings() -> None:
 
 def correctness() -> None:
     from elastic_vllm.csrc.decode import decode_attention
+    from elastic_vllm.csrc.prefill import prefill_attention
 
     from elastic_vllm.reference.attention import hybrid_attention_ref
 
     res = REPORT.setdefault("correctness", [])
     S = 8192 if DEV.type == "cuda" else 256
-    for d in (128, 64) if not ARGS.quick else (128,):
-        x = prefill_inputs(S, d, seed=1)
+    x = prefill_inputs(S, 128, seed=1)
+    for bs in (16, 128) if DEV.type == "cuda" else (16, 32):
+        kc, vc, bt = paged(x, bs)
         for share in (0.0, 0.75):
             hm = head_modes(share)
-            from elastic_vllm.csrc.prefill import prefill_attention
-
-            out = prefill_attention(x["q"], x["kc"], x["vc"], x["bt"], x["qsl"], x["sl"], hm, sink=SINK, window=WINDOW)
-            ref = chunked_reference(x["q"], x["kc"], x["vc"], x["bt"], x["qsl"], x["sl"], hm, SINK, WINDOW)
-            base = chunked_reference(
-                x["q"], x["kc"], x["vc"], x["bt"], x["qsl"], x["sl"], hm, SINK, WINDOW, compute_dtype=DT
-            )
+            out = prefill_attention(x["q"], kc, vc, bt, x["qsl"], x["sl"], hm, sink=SINK, window=WINDOW)
+            ref = chunked_reference(x["q"], kc, vc, bt, x["qsl"], x["sl"], hm, SINK, WINDOW)
+            base = chunked_reference(x["q"], kc, vc, bt, x["qsl"], x["sl"], hm, SINK, WINDOW, compute_dtype=DT)
             err = float((out.float() - ref.float()).abs().max())
             bound = 2 * float((base.float() - ref.float()).abs().max()) + 1e-3
-            item = {"what": f"prefill {S} d{d} SA {share}", "err": err, "bound": bound, "ok": err <= bound}
-            fo = flex_hybrid_fn(x, share)()[0].transpose(0, 1)
-            item["flex_err"] = float((fo.float() - ref.float()).abs().max())
+            item = {"what": f"prefill {S} d128 bs{bs} SA {share} (default config)", "err": err, "bound": bound,
+                    "ok": err <= bound}  # fmt: skip
             res.append(item)
             log(item)
-        del x
+    del x
     # decode, 16 requests of ragged length, sparse
     B = 16
     g = torch.Generator().manual_seed(2)
@@ -322,7 +386,75 @@ def correctness() -> None:
     save()
 
 
-def prefill_section(S: int, d: int, shares) -> None:
+# candidates of the tune section, tried at 32K (d 128) in this order; the first is the default path
+# at vLLM's usual block size. 128-token blocks are a legitimate cache layout for this backend (vLLM
+# lets a backend declare its kernel block sizes); they allow TMA loads (tile inside one block).
+TUNE_CANDIDATES = [
+    {"bs": 16, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    {"bs": 16, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": True},
+    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": False},
+    {"bs": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "use_tma": True},
+]
+
+
+def tune_section() -> None:
+    """Time each candidate prefill config at 32K (SA 0 and 0.75), check its output against the first
+    candidate's (itself checked against the fp32 reference at 8K by ``correctness``), and use the
+    fastest correct one (geometric mean of the two times) for the rest of the run."""
+    global OURS
+    from elastic_vllm.csrc.prefill import _prefill_kernel
+
+    rows = REPORT.setdefault("tune", [])
+    S = 32768 if DEV.type == "cuda" else 256
+    x = prefill_inputs(S, 128, seed=3)
+    cands = (
+        TUNE_CANDIDATES
+        if DEV.type == "cuda"
+        else [{"bs": 16, "block_n": 32}, {"bs": 32, "block_n": 32, "use_tma": True}]
+    )
+    base_out = {}
+    scores = []
+    for i, cfg in enumerate(cands):
+        row = {"S": S, "d": 128, **cfg}
+        try:
+            t0 = time.perf_counter()
+            for share in (0.0, 0.75):
+                fn = ours_fn(x, share, cfg)
+                out = fn()  # compiles
+                if DEV.type == "cuda":
+                    torch.cuda.synchronize()
+                if share not in base_out:  # the first candidate that ran is the reference of the others
+                    base_out[share] = out.clone()
+                rel = float((out.float() - base_out[share].float()).norm() / base_out[share].float().norm())
+                row[f"rel_diff_vs_first_{share}"] = rel
+                if not rel < 1e-2:  # NaN fails too
+                    raise RuntimeError(f"output differs from the first candidate's (relative {rel:.3g})")
+                r = timeit(fn)
+                row[f"ms_{share}"] = r["ms"]
+                row[f"TFLOPs_{share}"] = prefill_flops(S, 128, share) / (r["ms"] * 1e-3) / 1e12
+            row["s"] = round(time.perf_counter() - t0, 1)
+            scores.append((math.sqrt(row["ms_0.0"] * row["ms_0.75"]), i))
+        except Exception as e:  # e.g. out of shared memory for this config on this Triton
+            traceback.print_exc()
+            row["error"] = repr(e)[:300]
+        rows.append(row)
+        log(row)
+        save()
+        if elapsed() > ARGS.budget * 0.45:
+            REPORT.setdefault("skipped", []).append({"section": f"tune candidates {i + 1}+", "reason": "budget"})
+            break
+    if scores:
+        OURS = dict(cands[min(scores)[1]])
+    REPORT["ours_config"] = OURS
+    REPORT["prefill_kernel_variants"] = kernel_resources(_prefill_kernel)
+    log(f"ours = {OURS}")
+    del x, base_out
+
+
+def prefill_section(S: int, d: int, shares, extra: dict | None = None) -> None:
+    """sdpa dense, then per share: ours (the tuned config), flex one-call hybrid, split; ``extra``
+    names more configs of ours to time at SA 0.75 (e.g. the block-16 default when ours uses 128)."""
     x = prefill_inputs(S, d)
     rows = REPORT.setdefault("prefill", [])
     sdpa, how = sdpa_fn(x)
@@ -333,11 +465,16 @@ def prefill_section(S: int, d: int, shares) -> None:
     log(rows[-1])
     save()
     for share in shares:
+        if elapsed() > ARGS.budget:
+            REPORT.setdefault("skipped", []).append({"section": f"prefill S={S} d={d} SA {share}", "reason": "budget"})
+            continue
         flops = prefill_flops(S, d, share)
         res = {}
         fns = {"ours": ours_fn(x, share), "flex_hybrid": flex_hybrid_fn(x, share)}
         if 0.0 < share < 1.0:
             fns["split"] = split_fn(x, share, sdpa)
+        if extra and share == 0.75:
+            fns.update({name: ours_fn(x, share, cfg) for name, cfg in extra.items()})
         for name, fn in fns.items():
             try:
                 res[name] = timeit(fn)
@@ -347,6 +484,10 @@ def prefill_section(S: int, d: int, shares) -> None:
         ours = res["ours"].get("ms")
         for name, r in res.items():
             row = {"S": S, "d": d, "share": share, "method": name, **r}
+            if name == "ours":
+                row["config"] = OURS
+            elif name in (extra or {}):
+                row["config"] = extra[name]
             if "ms" in r:
                 row["TFLOPs"] = flops / (r["ms"] * 1e-3) / 1e12
                 if name == "ours":
@@ -397,15 +538,16 @@ def decode_batch(ctx: int, B: int) -> None:
             row["frac_of_copy_bw"] = row["TBps"] / REPORT["ceilings"]["copy_TBps"]
         rows.append(row)
         log(row)
+    del kv
 
 
-def route_all_layers(router, kc, bts, one, plen) -> None:
+def route_all_layers(router, kc, bts, rows, plen, slots) -> None:
     for layer, bt in enumerate(bts):
-        router(kc, bt, one, plen, one, layer)
+        router(kc, bt, rows, plen, slots, layer)
 
 
 def router_section() -> None:
-    from elastic_vllm.csrc.route import Router, pack_router_weights, route_errors
+    from elastic_vllm.csrc.route import Router, _route_router_kernel, _route_task_kernel, pack_router_weights
 
     from elastic_vllm.router.model import ElasticRouter
 
@@ -414,100 +556,62 @@ def router_section() -> None:
     w = pack_router_weights(ElasticRouter(L, d)).to(DEV)
     inv = (1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))).to(DEV)
     rows = REPORT.setdefault("router", [])
-    for S in (8192, 131072) if DEV.type == "cuda" else (512,):
+    cases = [(8192, 1), (131072, 1), (8192, 8)] if DEV.type == "cuda" else [(512, 1)]
+    for S, R in cases:
         nblk = math.ceil(S / BS)
         # one cache per layer would be 32 x S tokens; layers share one cache through different block tables
         kc = torch.randn(nblk + 1, BS, HKV, d, device=DEV, dtype=DT)
-        bts = [(torch.randperm(nblk, device=DEV) + 1).to(torch.int32)[None] for _ in range(L)]
-        one = torch.zeros(1, device=DEV, dtype=torch.int32)
-        plen = torch.tensor([S], device=DEV, dtype=torch.int32)
-        table = torch.zeros(4, L, HKV, device=DEV, dtype=torch.int8)
-        for fused in (True, False) if DEV.type == "cuda" else (False,):
-            router = Router(w, table, inv_freq=inv, num_kv_heads=HKV, head_dim=d, block_size=BS, fused=fused)
-            all_layers = functools.partial(route_all_layers, router, kc, bts, one, plen)
-            r = timeit(all_layers)
-            row = {"prompt": S, "layers": L, "fused": fused, "eager": r}
-            if DEV.type == "cuda":
+        bts = [(torch.randperm(nblk, device=DEV) + 1).to(torch.int32)[None].expand(R, -1) for _ in range(L)]
+        req = torch.arange(R, device=DEV, dtype=torch.int32)
+        plen = torch.full((R,), S, device=DEV, dtype=torch.int32)
+        table = torch.zeros(R, L, HKV, device=DEV, dtype=torch.int8)
+        router = Router(w, table, inv_freq=inv, num_kv_heads=HKV, head_dim=d, block_size=BS)
+        all_layers = functools.partial(route_all_layers, router, kc, bts, req, plen, req)
+        r = timeit(all_layers)
+        row = {"prompt": S, "requests": R, "layers": L, "launches_per_layer": 2, "eager": r,
+               "slices": [router.ns1, router.ns2]}  # fmt: skip
+        if DEV.type == "cuda":
+            all_layers()
+            torch.cuda.synchronize()
+            cg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cg):
                 all_layers()
-                torch.cuda.synchronize()
-                cg = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(cg):
-                    all_layers()
-                row["graph"] = timeit(cg.replay)
-                row["barrier_timeouts"] = route_errors(DEV)
-            rows.append(row)
-            log(row)
-            save()
+            row["graph"] = timeit(cg.replay)
+            row["graph_us_per_layer"] = row["graph"]["ms"] * 1e3 / L
+            # one launch of each kernel alone (graph of 32), to place the time
+            for name, kern in (("task", _route_task_kernel), ("router", _route_router_kernel)):
+                row[f"{name}_kernel"] = kernel_resources(kern)
+        rows.append(row)
+        log(row)
+        save()
 
 
-def sweep_section() -> None:
-    """A few prefill tile configs and block sizes at 32K, and decode splits/tiles at 128K: tuning data."""
-    from elastic_vllm.csrc.decode import decode_attention
-
-    rows = REPORT.setdefault("sweep", [])
-    S = 32768 if DEV.type == "cuda" else 256
-    x = prefill_inputs(S, 128)
-    configs = [
-        {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
-        {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
-        {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4},
-        {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
-        {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
-        {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "pipeline_qk": True},
-        {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "pipeline_qk": True},
-    ]
-    for cfg in configs:
-        for share in (0.0, 0.75):
-            if elapsed() > ARGS.budget - 30:
-                return
-            try:
-                r = timeit(ours_fn(x, share, **cfg))
-            except Exception as e:  # e.g. out of registers/shared memory for this config
-                r = {"error": repr(e)[:300]}
-            if "ms" in r:
-                r["TFLOPs"] = prefill_flops(S, 128, share) / (r["ms"] * 1e-3) / 1e12
-            rows.append({"kernel": "prefill", "S": S, "share": share, "bs": BS, **cfg, **r})
-            log(rows[-1])
-            save()
-    # the same data in 128-token blocks: every key tile inside one physical block
-    k = torch.stack([x["kc"], x["vc"]], 1)
-    from elastic_vllm.reference.attention import gather_paged
-
-    keys, vals = gather_paged(k[:, 0], x["bt"][0], S), gather_paged(k[:, 1], x["bt"][0], S)
-    kc, vc, bt = make_paged([keys], [vals], 128, torch.Generator().manual_seed(3))
-    x128 = dict(x, kc=kc, vc=vc, bt=bt)
-    for share in (0.0, 0.75):
-        r = timeit(ours_fn(x128, share))
-        rows.append({"kernel": "prefill", "S": S, "share": share, "bs": 128, **r,
-                     "TFLOPs": prefill_flops(S, 128, share) / (r["ms"] * 1e-3) / 1e12})  # fmt: skip
-        log(rows[-1])
-    del x, x128, k
-    save()
-    ctx, B = (131072, 16) if DEV.type == "cuda" else (1024, 2)
-    nblk = B * math.ceil(ctx / BS)
-    kv = torch.randn(nblk + 1, 2, BS, HKV, 128, device=DEV, dtype=DT)
-    bt = (torch.randperm(nblk, device=DEV) + 1).to(torch.int32).view(B, -1)
-    q = torch.randn(B, HQ, 128, device=DEV, dtype=DT)
-    sl = torch.full((B,), ctx, device=DEV, dtype=torch.int32)
-    for share in (0.0, 0.75):
-        hm = head_modes(share).expand(B, HKV).contiguous()
-        for cfg in ({"block_n": 64, "num_stages": 3}, {"block_n": 128, "num_stages": 3}, {"block_n": 64, "num_stages": 4},
-                    {"block_n": 32, "num_stages": 4}, {"block_n": 64, "num_stages": 3, "num_splits": 32}):  # fmt: skip
-            if elapsed() > ARGS.budget - 15:
-                return
-            r = timeit(lambda hm=hm, cfg=cfg: decode_attention(
-                q, kv[:, 0], kv[:, 1], bt, sl, hm, sink=SINK, window=WINDOW, max_seq_len=ctx, **cfg))  # fmt: skip
-            rows.append({"kernel": "decode", "ctx": ctx, "B": B, "share": share, **cfg, **r})
-            log(rows[-1])
-            save()
+def summary() -> None:
+    """Short table last: the reply carries the end of the output."""
+    pre = REPORT.get("prefill", [])
+    print("\nprefill (ms / TFLOP/s; x = ours speedup)")
+    for r in pre:
+        if r.get("method") == "ours" and "ms" in r:
+            print(f"  S={r['S']:>6} d={r['d']} SA {r['share']:<4} ours {r['ms']:8.2f} ms {r['TFLOPs']:6.0f} TF/s"
+                  f"  x_sdpa {r.get('x_vs_sdpa', 0):5.2f}  x_flex {r.get('x_vs_flex_hybrid', 0):5.2f}"
+                  f"  x_split {r.get('x_vs_split', 0):5.2f}")  # fmt: skip
+    for r in REPORT.get("tune", []):
+        print(f"  tune {r}")
+    for r in REPORT.get("decode", []):
+        print(f"  decode ctx={r['ctx']} B={r['B']} {r['mode']:<6} {r['ms']:.3f} ms {r['TBps']:.2f} TB/s"
+              f" {r.get('x_vs_dense', '')}")  # fmt: skip
+    for r in REPORT.get("router", []):
+        g = r.get("graph", {}).get("ms")
+        print(f"  router prompt={r['prompt']} R={r['requests']} eager {r['eager']['ms']:.3f} ms graph {g} ms")
+    print(f"  ours config {REPORT.get('ours_config')}; skipped {REPORT.get('skipped')}; errors {REPORT.get('errors')}")
 
 
 def main() -> int:
     global ARGS, DEV, DT, SINK, WINDOW
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<time>.json)")
-    ap.add_argument("--quick", action="store_true", help="reduced grid: 8K/32K, SA 0/0.75, d 128, no sweep")
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds; later sections are skipped past it")
+    ap.add_argument("--quick", action="store_true", help="reduced grid: 32K/128K, SA 0/0.75, d 128")
+    ap.add_argument("--budget", type=float, default=200.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--sections", default="", help="comma-separated name filters (e.g. 'decode,router')")
     ap.add_argument("--cpu-dry", action="store_true", help="toy sizes under TRITON_INTERPRET=1 (plumbing check)")
     ARGS = ap.parse_args()
@@ -524,27 +628,31 @@ def main() -> int:
     if ARGS.cpu_dry:
         SINK, WINDOW = 16, 100  # toy sequences: keep the SSA mask non-trivial
     REPORT.update({"env": env_info(), "config": {"Hq": HQ, "Hkv": HKV, "sink": SINK, "window": WINDOW,
-                   "block_size": BS, "dtype": str(DT), "quick": ARGS.quick, "budget_s": ARGS.budget}})  # fmt: skip
+                   "block_size_default": BS, "dtype": str(DT), "quick": ARGS.quick, "budget_s": ARGS.budget}})  # fmt: skip
     log(REPORT["env"])
     save()
     dry = ARGS.cpu_dry
-    seqs = [256] if dry else ([8192, 32768] if ARGS.quick else [8192, 32768, 131072])
     shares = (0.0, 0.75) if ARGS.quick else (0.0, 0.5, 0.75, 1.0)
-    section("ceilings", ceilings, 5)
-    section("correctness", correctness, 20)
-    for S in seqs:
-        section(f"prefill S={S} d=128", lambda S=S: prefill_section(S, 128, shares), 10 + 2.5e-9 * S * S)
-    section("decode 32K", lambda: decode_section(32768 if not dry else 512, (1, 16, 64) if not dry else (2,)), 25)
+    # estimates (s) on an H200 including compiles (Flex ~5-10 s per new sequence length)
+    section("ceilings", ceilings, 3)
+    section("correctness", correctness, 15)
+    section("tune", tune_section, 25 if not dry else 1)
+    extra = {} if OURS.get("bs") == 16 else {"ours_bs16_default": {"bs": 16}}
+    section("prefill S=32768 d=128", lambda: prefill_section(32768 if not dry else 256, 128, shares), 30)
+    if not dry:
+        section("prefill S=131072 d=128", lambda: prefill_section(131072, 128, shares, extra), 40)
+        section("decode 32K", lambda: decode_section(32768, (1, 16, 64)), 8)
+        section("decode 128K", lambda: decode_section(131072, (1, 16, 64)), 12)
+    else:
+        section("decode 512", lambda: decode_section(512, (2,)), 1)
+    section("router", router_section, 8)
     if not ARGS.quick and not dry:
-        section("decode 128K", lambda: decode_section(131072, (1, 16, 64)), 40)
-    section("router", router_section, 20)
-    if not ARGS.quick:
-        section("sweep", sweep_section, 90 if not dry else 1)  # tuning data first: most useful per second
-        for S in [256] if dry else [8192, 32768, 131072]:
-            section(f"prefill S={S} d=64", lambda S=S: prefill_section(S, 64, shares), 10 + 1.5e-9 * S * S)
-        if not dry:
-            section("prefill S=262144 d=128", lambda: prefill_section(262144, 128, shares), 130)
+        section("prefill S=8192 d=128", lambda: prefill_section(8192, 128, shares), 12)
+        section("prefill S=32768 d=64", lambda: prefill_section(32768, 64, shares), 25)
+        section("prefill S=131072 d=64", lambda: prefill_section(131072, 64, (0.0, 0.75)), 30)
+        section("prefill S=262144 d=128", lambda: prefill_section(262144, 128, (0.0, 0.75)), 90)
     save()
+    summary()
     bad = [c for c in REPORT.get("correctness", []) if not c["ok"]]
     log(f"done: {len(bad)} correctness failures, {len(REPORT.get('errors', []))} section errors -> {ARGS.out}")
     return 1 if bad else 0

@@ -42,6 +42,8 @@ from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, next_pow2
 FUSED_POOL_MAX = 512  # pooled positions up to which launch 1 pools by itself (boundary default: 200)
 POOL_PROGRAMS = 32  # token-parallel pooling programs per (request, head) otherwise
 
+_WS: dict = {}
+
 
 @triton.jit
 def _silu(x):
@@ -317,16 +319,17 @@ class Router:
         )  # fmt: skip
         self.router_meta = dict(HKV=hkv, D=d, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1, NS2=self.ns2,
                                 num_warps=4)  # fmt: skip
-        self._ws: dict[int, tuple] = {}
 
     def workspace(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(pool partials, Task-MLP partials, Router-MLP partials, counters) for R requests, cached.
-        The counters start at zero and are re-armed by the kernel itself."""
-        ws = self._ws.get(R)
+        """(pool partials, Task-MLP partials, Router-MLP partials, counters) for R requests, cached per
+        device and shape for the process (``route()`` builds a Router per call). The counters start
+        at zero and are re-armed by the kernel itself; launches on one stream never overlap."""
+        key = (self.device, R, self.hkv, self.d, self.ns1, self.ns2, self.fused_pool)
+        ws = _WS.get(key)
         if ws is None:
             f32 = dict(device=self.device, dtype=torch.float32)
             pool = torch.empty(R * self.hkv * POOL_PROGRAMS * self.d if not self.fused_pool else 1, **f32)
-            ws = self._ws[R] = (
+            ws = _WS[key] = (
                 pool,
                 torch.empty(R * self.hkv * self.ns1 * self.d, **f32),
                 torch.empty(R * self.hkv * self.ns2 * self.d, **f32),
