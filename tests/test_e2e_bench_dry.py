@@ -159,3 +159,18 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert d["skipped"][0]["job"] == "never-fits" and "budget" in d["skipped"][0]["reason"]
     job = next(j for j in d["jobs"] if j["name"] == "llama8b-elastic")
     assert job["status"] == "done" and job["router"].startswith("random")
+
+
+def test_cpu_serving_report_of_the_committed_run(tmp_path):
+    res = ROOT / "benchmarks" / "results" / "cpu-serving.json"
+    if not res.is_file():
+        pytest.skip("no committed CPU serving run")
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- cpu-serving:begin -->\nold\n<!-- cpu-serving:end -->\ny\n")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_serving.py"), "--report", str(res), "--readme", str(readme)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    text = readme.read_text()
+    assert "old" not in text and "| CPU_ATTN |" in text and "| elastic |" in text and text.endswith("y\n")

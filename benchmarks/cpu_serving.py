@@ -1,0 +1,350 @@
+#!/usr/bin/env python3
+"""CPU serving benchmark: ``vllm serve`` with the demo model, elastic vs vLLM's own CPU backend (CPU_ATTN),
+measured with vLLM's own benchmark client (``vllm.benchmarks.serve``, what ``vllm bench serve`` runs;
+called in-process so its ~50 s import is paid once).
+
+    python3 benchmarks/cpu_serving.py [--model DIR] [--router DIR] [--out benchmarks/results/cpu-serving.json]
+
+For each backend, one server (``vllm serve`` for CPU_ATTN, ``elastic-vllm serve`` for elastic, which also
+sets up the Prometheus multiprocess folder), then two runs of the client over the OpenAI completions
+API with streaming:
+
+- ``ttft``: prompts of 2K / 4K / ~8K tokens (the client's ``random`` dataset: random token ids of the
+  served model's tokenizer), one at a time (max concurrency 1), 16 output tokens each: time to first
+  token per prompt length (one client run per length, the first one after a warm-up request);
+- ``throughput``: 4 prompts of 2K tokens at once (max concurrency 4), 32 output tokens each: request and
+  token throughput, TTFT and time per output token under load.
+
+Elastic serves FA-SSA (sink 128, window 2048) with a router (``--router``, else an untrained random one)
+and every request asks for a fixed Omega_MSR 0.75 (``vllm_xargs.elastic_sa_share``; the router still runs),
+so the prefill work matches the GPU benchmark's 0.75 rows; ``--share auto`` uses the router's decisions.
+Both servers: float32 (bf16 matmuls are ~4x slower on this CPU), eager, max_model_len 8192, vLLM's serve
+defaults otherwise (chunked prefill with a 2048-token budget on CPU, so an 8K prompt arrives in 4 chunks),
+prefix caching off. The elastic backend runs its PyTorch path on CPU (the Triton kernels are GPU-only).
+
+What the numbers mean: a shared 2-core VM, one run, other work on the same cores. They show that serving
+works end to end and the relative cost of the two CPU attention paths; they say nothing about GPU speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+T0 = time.time()
+NAME = "smollm2"
+BACKENDS = ("CPU_ATTN", "elastic")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except Exception:
+        return 0, ""
+
+
+def random_router(model: Path, work: Path) -> Path:
+    import torch
+
+    from elastic_vllm.router.checkpoint import BackboneMeta, BackboneShape, RouterMeta, save_router
+    from elastic_vllm.router.model import ElasticRouter
+
+    cfg = json.loads((model / "config.json").read_text())
+    shape = BackboneShape(
+        num_layers=cfg["num_hidden_layers"],
+        num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+    )
+    torch.manual_seed(0)
+    meta = RouterMeta(
+        backbone=BackboneMeta(**shape.model_dump(), id="HuggingFaceTB/SmolLM2-135M-Instruct"),
+        training={"note": "random untrained router (benchmarks/cpu_serving.py): timing only"},
+    )
+    return save_router(ElasticRouter(shape.num_layers, shape.head_dim), work / "router", meta)
+
+
+class Server:
+    def __init__(self, backend: str, model: Path, router: Path | None, work: Path, log_path: Path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        common = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", "4",
+                  "--kv-cache-memory-bytes", "1536M", "--no-enable-prefix-caching", "--host", "127.0.0.1",
+                  "--port", str(self.port), "--served-model-name", NAME]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                                                 "PROMETHEUS_MULTIPROC_DIR")}  # fmt: skip
+        env.update(
+            VLLM_TARGET_DEVICE="cpu", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
+        )
+        if backend == "elastic":
+            cfg = {"elastic": {"router_path": str(router)}}
+            argv = [sys.executable, "-m", "elastic_vllm.cli", "serve", str(model), "--attention-backend", "elastic",
+                    "--additional-config", json.dumps(cfg), *common]  # fmt: skip
+        else:
+            argv = ["vllm", "serve", str(model), "--attention-backend", backend, *common]
+        self.argv = argv
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # closed in stop()
+        t = time.time()
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = t + 600
+        while http_get(self.base + "/health")[0] != 200:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {log_path.read_text()[-3000:]}")
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not ready after 600 s: {log_path.read_text()[-3000:]}")
+            time.sleep(2)
+        self.startup_s = time.time() - t
+
+    def metrics(self) -> dict[str, float]:
+        """The elastic counters and routing histograms of /metrics (sums over label sets)."""
+        _, text = http_get(self.base + "/metrics", timeout=10)
+        want = ("elastic:request_omega_msr_sum", "elastic:request_omega_msr_count", "elastic:router_latency_seconds_sum",
+                "elastic:router_latency_seconds_count", "elastic:attention_forward_calls_total")  # fmt: skip
+        out = dict.fromkeys(want, 0.0)
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in out:
+                out[name] += float(line.rsplit(" ", 1)[1])
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # the server's own process group
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def bench(server: Server, model: Path, n: int, input_len: int, output_len: int, concurrency: int, warmups: int,
+          extra_body: dict | None) -> dict:  # fmt: skip
+    """One run of vLLM's benchmark client (the code of ``vllm bench serve``) against the server."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser()
+    add_cli_args(p)
+    argv = ["--backend", "vllm", "--base-url", server.base, "--model", NAME, "--tokenizer", str(model),
+            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", "0", "--num-prompts", str(n), "--max-concurrency", str(concurrency),
+            "--request-rate", "inf", "--ignore-eos", "--save-detailed", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90", "--seed", "0",
+            "--num-warmups", str(warmups)]  # fmt: skip
+    if extra_body:
+        argv += ["--extra-body", json.dumps(extra_body)]
+    res = main(p.parse_args(argv))
+    res["client_argv"] = "vllm bench serve " + " ".join(shlex.quote(a) for a in argv)
+    return res
+
+
+def summarize_ttft(res: dict, input_len: int) -> dict:
+    v = res["ttfts"]
+    return {"prompt_tokens": input_len, "client_input_lens": res["input_lens"], "ttft_s": [round(x, 3) for x in v],
+            "median_ttft_s": round(statistics.median(v), 3), "client_argv": res["client_argv"]}  # fmt: skip
+
+
+KEEP = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+        "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms",
+        "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "mean_itl_ms", "median_itl_ms", "mean_e2el_ms")  # fmt: skip
+
+
+def run(args) -> dict:
+    from elastic_vllm.models import fetch_demo_model
+
+    model = Path(args.model) if args.model else fetch_demo_model(quiet=True)
+    work = Path(tempfile.mkdtemp(prefix="cpu-serving-"))
+    out = Path(args.out)
+    logs = out.parent / (out.stem + "_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    router = Path(args.router) if args.router else random_router(model, work)
+    share = None if args.share == "auto" else float(args.share)
+    report = {
+        "what": "vllm serve on CPU, demo model: elastic vs CPU_ATTN, vLLM's benchmark client (vllm bench serve)",
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "git_commit": os.environ.get("GIT_COMMIT") or _git("rev-parse", "HEAD"),
+        "machine": {"cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg()},
+        "model": str(model),
+        "elastic": {
+            "router": str(router) if args.router else "random untrained",
+            "sa_share": share or "auto (router)",
+            "mode": "FA-SSA",
+            "sink": 128,
+            "window": 2048,
+        },
+        "backends": {},
+    }
+    import torch
+    import vllm
+
+    report["env"] = {"vllm": vllm.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
+    save(out, report)
+    for backend in BACKENDS:
+        if time.time() - T0 > args.budget:
+            report["backends"][backend] = {"skipped": f"time budget ({args.budget:.0f}s)"}
+            continue
+        log(f"== {backend}: starting the server")
+        entry: dict = {}
+        report["backends"][backend] = entry
+        srv = Server(backend, model, router if backend == "elastic" else None, work, logs / f"{backend}.log")
+        entry.update(startup_s=round(srv.startup_s, 1), server_argv=" ".join(shlex.quote(a) for a in srv.argv))
+        log(f"   ready in {srv.startup_s:.0f}s")
+        extra = {"vllm_xargs": {"elastic_sa_share": share}} if backend == "elastic" and share is not None else None
+        try:
+            entry["ttft"] = {"max_concurrency": 1, "by_length": []}
+            for i, n in enumerate(lengths):
+                if time.time() - T0 > args.budget:
+                    entry["ttft"].setdefault("skipped", []).append(n)
+                    continue
+                log(f"   TTFT {n} tokens x {args.reps}")
+                res = bench(srv, model, args.reps, n, 16, 1, 1 if i == 0 else 0, extra)
+                entry["ttft"]["by_length"].append(summarize_ttft(res, n))
+                save(out, report)
+            if time.time() - T0 > args.budget:
+                entry["throughput"] = {"skipped": f"time budget ({args.budget:.0f}s)"}
+            else:
+                log("   throughput: 4 x 2048 tokens, max concurrency 4")
+                res = bench(srv, model, 4, 2048, 32, 4, 0, extra)
+                entry["throughput"] = {k: res.get(k) for k in KEEP} | {"client_argv": res["client_argv"],
+                                                                       "max_concurrency": 4}  # fmt: skip
+            save(out, report)
+            if backend == "elastic":
+                m = srv.metrics()
+                n = m["elastic:request_omega_msr_count"]
+                entry["elastic_metrics"] = {
+                    "requests_routed": n,
+                    "mean_omega_msr": m["elastic:request_omega_msr_sum"] / n if n else None,
+                    "mean_router_latency_ms": 1e3
+                    * m["elastic:router_latency_seconds_sum"]
+                    / max(m["elastic:router_latency_seconds_count"], 1),
+                    "attention_forward_calls": m["elastic:attention_forward_calls_total"],
+                }
+        finally:
+            srv.stop()
+        save(out, report)
+    report["elapsed_s"] = round(time.time() - T0, 1)
+    report["load_avg_at_end"] = os.getloadavg()
+    report["comparison"] = compare(report)
+    save(out, report)
+    return report
+
+
+def compare(report: dict) -> list[dict]:
+    b = report["backends"]
+    rows = []
+    try:
+        base = {r["prompt_tokens"]: r["median_ttft_s"] for r in b["CPU_ATTN"]["ttft"]["by_length"]}
+        for r in b["elastic"]["ttft"]["by_length"]:
+            if r["prompt_tokens"] in base:
+                rows.append({"what": f"TTFT {r['prompt_tokens']} tokens", "CPU_ATTN": base[r["prompt_tokens"]],
+                             "elastic": r["median_ttft_s"], "speedup": round(base[r["prompt_tokens"]] / r["median_ttft_s"], 3)})  # fmt: skip
+        for k in ("output_throughput", "total_token_throughput", "request_throughput"):
+            x, y = b["CPU_ATTN"]["throughput"][k], b["elastic"]["throughput"][k]
+            rows.append({"what": k, "CPU_ATTN": round(x, 3), "elastic": round(y, 3), "speedup": round(y / x, 3)})
+    except (KeyError, TypeError, ZeroDivisionError):
+        pass
+    return rows
+
+
+def _git(*a) -> str:
+    try:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def save(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    tmp.replace(path)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Run: {report['machine']['cpus']} CPUs (load average {report['machine']['load_avg_at_start'][0]:.1f} "
+             f"at start), vLLM {report['env']['vllm']}, torch {report['env']['torch']}, commit "
+             f"`{str(report['git_commit'])[:12]}`, {report.get('elapsed_s', '?')} s; `{report['command']}`.", "",
+             "| backend | server start s | TTFT by prompt tokens (median s) | throughput run: req/s | output tok/s | "
+             "total tok/s | median TTFT ms | median TPOT ms |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, e in report["backends"].items():
+        if "skipped" in e:
+            lines.append(f"| {name} | skipped: {e['skipped']} | | | | | | |")
+            continue
+        t = e.get("ttft", {})
+        ttft = ", ".join(f"{r['prompt_tokens']}: {r['median_ttft_s']:.2f}" for r in t.get("by_length", []))
+        h = e.get("throughput", {})
+
+        def f(k, d=2, h=h):
+            return f"{h[k]:.{d}f}" if isinstance(h.get(k), int | float) else "-"
+
+        lines.append(f"| {name} | {e.get('startup_s', '-')} | {ttft or '-'} | {f('request_throughput', 3)} | "
+                     f"{f('output_throughput')} | {f('total_token_throughput', 1)} | {f('median_ttft_ms', 0)} | "
+                     f"{f('median_tpot_ms', 1)} |")  # fmt: skip
+    el = report["backends"].get("elastic", {}).get("elastic_metrics")
+    if el:
+        msr = el["mean_omega_msr"]
+        lines += ["", f"Elastic /metrics: {el['requests_routed']:.0f} requests routed, mean Omega_MSR "
+                  f"{msr if msr is None else round(msr, 3)}, mean router time {el['mean_router_latency_ms']:.1f} ms per "
+                  f"routing step, {el['attention_forward_calls']:.0f} elastic attention forwards."]  # fmt: skip
+    if report.get("comparison"):
+        lines += ["", "| | CPU_ATTN | elastic | elastic speedup |", "|---|---|---|---|"]
+        for r in report["comparison"]:
+            lines.append(f"| {r['what']} | {r['CPU_ATTN']} | {r['elastic']} | {r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- cpu-serving:begin -->", "<!-- cpu-serving:end -->"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="demo model folder (default: fetched/cached by elastic-vllm fetch-model)")
+    p.add_argument("--router", help="router folder for the elastic server (default: a random untrained router)")
+    p.add_argument("--share", default="0.75", help="fixed Omega_MSR per request (elastic_sa_share), or 'auto'")
+    p.add_argument("--lengths", default="2048,4096,7936", help="prompt lengths of the TTFT run (tokens)")
+    p.add_argument("--reps", type=int, default=1, help="prompts per length in the TTFT run")
+    p.add_argument("--budget", type=float, default=1200.0, help="seconds; later phases are skipped past it")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu-serving.json"))
+    p.add_argument("--report", help="results JSON -> Markdown (and --readme section) without running")
+    p.add_argument("--readme", help="replace the cpu-serving section of this Markdown file")
+    args = p.parse_args()
+    report = json.loads(Path(args.report).read_text()) if args.report else run(args)
+    md = markdown(report)
+    print(md)
+    if args.readme and Path(args.readme).exists():
+        text = Path(args.readme).read_text()
+        if BEGIN in text and END in text:
+            a, rest = text.split(BEGIN, 1)
+            _, b = rest.split(END, 1)
+            Path(args.readme).write_text(f"{a}{BEGIN}\n{md}{END}{b}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
