@@ -39,6 +39,20 @@ def pytest_collection_modifyitems(config, items):
         )
 
 
+def pytest_collection_finish(session):
+    """Boot the `vllm serve` of test_serve.py now: it starts in the background while other tests run."""
+    if any(Path(str(item.fspath)).name == "test_serve.py" for item in session.items):
+        from . import server
+
+        server.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from . import server
+
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def hf_ref(demo_model_dir):
     """transformers SmolLM2 (float32) with attn_implementation="elastic" and pre-RoPE key hooks; shared,

@@ -1,5 +1,6 @@
-"""A 2K-token needle-in-a-haystack prompt through the elastic vLLM backend (SmolLM2, the paper's
-once-per-request routing: one prefill chunk, sink 128 / window 512, SA heads sparse at decode too).
+"""A 2K-token needle-in-a-haystack prompt through the elastic vLLM backend (SmolLM2, chunked prefill off:
+the paper's once-per-request routing over the whole prompt; sink 128 / window 512, SA heads sparse at
+decode too).
 
 With the router that keeps the retrieval heads FA the needle is found; with every head SA it is not,
 already at 1.2K tokens (the needle sits ~600 tokens back, past the 512-token window: the sparse path
@@ -29,6 +30,7 @@ def test_needle_2k_router_keeps_retrieval_heads(demo_model_dir, trained_router):
         attention_backend="elastic",
         additional_config={"elastic": {**CFG, "router_path": str(trained_router)}},
         enable_prefix_caching=False,  # each request computes its own prefill with its own routing
+        enable_chunked_prefill=False,
         max_num_batched_tokens=4096,
     )
     try:

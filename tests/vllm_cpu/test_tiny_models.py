@@ -89,14 +89,7 @@ def test_triton_kernels_path_equals_torch_path(tiny):
     """The GPU path (csrc kernels: fused router, XAttention selection, hybrid prefill, split-KV decode),
     run by the CPU engine through Triton's interpreter, gives the torch path's routing and tokens.
     Mode XA-SSA with sparse decode: prefill has XA and SSA heads, decode SSA and dense heads."""
-    try:
-        import elastic_vllm.csrc.decode
-        import elastic_vllm.csrc.prefill
-        import elastic_vllm.csrc.route
-        import elastic_vllm.csrc.xattn_select  # noqa: F401
-    except ImportError as e:  # pragma: no cover - the kernels are part of the package
-        pytest.skip(f"elastic_vllm.csrc kernels not importable: {e}")
-    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py
     model, router = tiny["llama"]
     knobs = {
         **ELASTIC,
