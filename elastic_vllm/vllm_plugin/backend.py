@@ -4,10 +4,11 @@ routing lives in ``state``/``routing``, attention math in ``ops``, vLLM differen
 Selected with ``--attention-backend elastic`` (an alias of AttentionBackendEnum.CUSTOM, see
 ``plugin.py``); configured with ``--additional-config '{"elastic": {...}}'`` (ElasticConfig).
 
-CUDA graphs: UNIFORM_SINGLE_TOKEN_DECODE. A pure decode step reads only persistent buffers that
-build() updates in place (the runner's seq_lens / block table / query_start_loc and our ``row_modes``
-[L, B, Hkv]), and its forward has no host sync. Routing runs only in eager forwards: the runner hooks
-keep any step that holds a prompt row out of FULL graphs (PIECEWISE graphs run attention eagerly).
+CUDA graphs: UNIFORM_SINGLE_TOKEN_DECODE with the Triton ops. A pure decode step reads only persistent
+buffers that build() updates in place (the runner's seq_lens / block table / query_start_loc and our
+``row_modes`` [L, B, Hkv]), and its forward has no host sync. Routing runs only in eager forwards: the
+runner hooks keep any step that holds a prompt row out of FULL graphs (PIECEWISE graphs run attention
+eagerly). The PyTorch ops read lengths on the host: NEVER (attention always eager) when selected.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from elastic_vllm.vllm_plugin import compat, observe
 from elastic_vllm.vllm_plugin import state as state_mod
-from elastic_vllm.vllm_plugin.ops import torch_attention, triton_attention
+from elastic_vllm.vllm_plugin.ops import resolve_ops, torch_attention, triton_attention
 from elastic_vllm.vllm_plugin.routing import RouteBatch
 
 SUPPORTED_HEAD_SIZES = [32, 64, 128, 256]
@@ -91,6 +92,15 @@ class ElasticMetadata:
 
 class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
     _cudagraph_support = compat.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        # the PyTorch ops loop over rows on the host (lengths read at run time): never inside a graph
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        device = torch.device(vllm_config.device_config.device)
+        if resolve_ops(extra.get("elastic_ops") if isinstance(extra, dict) else None, device) == "torch":
+            return compat.AttentionCGSupport.NEVER
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

@@ -494,3 +494,17 @@ def test_v1_runner_hooks():
     finally:
         compat._observer_for = saved
     assert obs.rows == [["r2", "r1"]] and r.disp is False
+
+
+@pytest.mark.parametrize(
+    "device,ops,want",
+    [("cuda", None, "UNIFORM_SINGLE_TOKEN_DECODE"), ("cuda", "torch", "NEVER"), ("cpu", None, "NEVER")],
+)
+def test_cudagraph_support_is_declared_per_ops(device, ops, want):
+    """Triton ops: FULL graphs for single-token decode batches; PyTorch ops (host loops): never."""
+    from elastic_vllm.vllm_plugin.backend import ElasticMetadataBuilder
+
+    cfg = SimpleNamespace(
+        additional_config={"elastic_ops": ops} if ops else {}, device_config=SimpleNamespace(device=device)
+    )
+    assert ElasticMetadataBuilder.get_cudagraph_support(cfg, None).name == want
