@@ -11,9 +11,11 @@ directly (no pip install needed on a bare checkout). Checks, one JSON row each (
 - all_fa_<runner>: every head forced FA vs FLASH_ATTN (vLLM's default on Hopper), bf16, CUDA graphs on, for
   Model Runner V2 (0.26's default for dense models) and V1. Tolerance: greedy tokens equal at every position
   except after a position where FLASH_ATTN's own top-2 logprobs are within 0.1 (a bf16 near-tie: two kernels of
-  one precision may flip it), where the comparison stops; |logprob difference| <= 0.05 where compared (bf16
-  attention outputs of two kernels differ by ~1 ulp, ~4e-3 relative; through 30 layers the chosen token's
-  logprob moves by a few 1e-2 at most).
+  one precision may flip it), where the comparison stops; where compared, max |logprob difference| <=
+  max(0.05, 2 x the noise floor), the noise floor being the same comparison for vLLM's own TRITON_ATTN backend
+  against FLASH_ATTN (two correct bf16 kernels; measured in the same run, as the flash-attention test rule does
+  for kernels). The first run (2026-11-29) saw 0.217 for elastic with a fixed 0.05 bound: bf16 through 30 layers
+  of a 135M model moves logprobs by more than a fixed guess allowed, hence the measured floor.
 - graphs: decode steps replay FULL CUDA graphs: the elastic forward (Python) runs for prefill steps only, and
   the outputs equal an eager engine's.
 - needle: 2K needle prompts answered with the router (auto) as well as dense (all-FA) within 20% of the prompts,
@@ -31,6 +33,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -142,34 +145,57 @@ def compare_greedy(ref_out, out) -> tuple[bool, float, int]:
     return worst <= LOGPROB_ATOL, worst, n
 
 
-_REF: dict = {}
+def _generate(backend: str, **kw):
+    llm = llm_(ARGS.model, attention_backend=backend, **kw)
+    prompts = chat_prompts(llm.get_tokenizer())
+    use_v2 = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
+    outs = llm.generate(prompts, greedy(32, logprobs=2), use_tqdm=False)
+    close(llm)
+    return outs, use_v2
 
 
 def check_all_fa(runner: str):
     def run(name, t0):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
-        if "flash" not in _REF:
-            llm = llm_(ARGS.model, attention_backend="FLASH_ATTN")
-            prompts = chat_prompts(llm.get_tokenizer())
-            _REF["flash"] = (prompts, llm.generate(prompts, greedy(32, logprobs=2), use_tqdm=False))
-            close(llm)
-        prompts, ref = _REF["flash"]
-        llm = llm_(ARGS.model, attention_backend="elastic", additional_config={"elastic": {"force": "all-FA"}})
-        use_v2 = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
-        outs = llm.generate(prompts, greedy(32, logprobs=2), use_tqdm=False)
-        close(llm)
+        ref, _ = _generate("FLASH_ATTN")
+        floor_outs, _ = _generate("TRITON_ATTN")
+        floor = [compare_greedy(r, o) for r, o in zip(ref, floor_outs)]
+        outs, use_v2 = _generate("elastic", additional_config={"elastic": {"force": "all-FA"}})
         rows = [compare_greedy(r, o) for r, o in zip(ref, outs)]
+        noise = max(w for _, w, _ in floor)
+        bound = max(LOGPROB_ATOL, 2 * noise)
+        worst = max(w for _, w, _ in rows)
+        diverged = [i for i, (r, o) in enumerate(zip(ref, outs)) if not _same_until_tie(r, o)]
         record(
             name,
-            all(ok for ok, _, _ in rows) and use_v2 == (runner == "v2"),
+            not diverged and worst <= bound and use_v2 == (runner == "v2"),
             time.perf_counter() - t0,
             v2_runner=use_v2,
-            max_logprob_diff=max(w for _, w, _ in rows),
+            max_logprob_diff=worst,
+            bound=bound,
+            noise_floor_triton_attn=noise,
+            triton_attn_identical_outputs=sum(
+                r.outputs[0].token_ids == o.outputs[0].token_ids for r, o in zip(ref, floor_outs)
+            ),
+            diverged_before_a_tie=diverged,
             positions_compared=sum(n for _, _, n in rows),
             identical_outputs=sum(r.outputs[0].token_ids == o.outputs[0].token_ids for r, o in zip(ref, outs)),
         )
 
     return run
+
+
+def _same_until_tie(ref_out, out) -> bool:
+    """Greedy tokens equal up to the first position where the reference's top-2 logprobs are a near-tie."""
+    ref, got = ref_out.outputs[0], out.outputs[0]
+    for pos, (t_ref, t_got) in enumerate(zip(ref.token_ids, got.token_ids)):
+        top = sorted((v.logprob for v in ref.logprobs[pos].values()), reverse=True)
+        tie = len(top) > 1 and top[0] - top[1] < TIE_MARGIN
+        if t_ref != t_got:
+            return tie
+        if tie:
+            return True
+    return True
 
 
 def check_graphs(name, t0):
@@ -278,7 +304,7 @@ def check_long(name, t0):
         (mdir / "config.json").write_text(json.dumps({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": n + 64,
             "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
@@ -326,6 +352,7 @@ def main() -> int:
     p.add_argument("--needle-n", type=int, default=10)
     p.add_argument("--needle-len", type=int, default=2000)
     p.add_argument("--long-len", type=int, default=131072)
+    p.add_argument("--only", help=argparse.SUPPRESS)  # internal: run one named check in this process
     ARGS = p.parse_args()
     bootstrap()
     from elastic_vllm.vllm_plugin import plugin
@@ -336,9 +363,26 @@ def main() -> int:
 
     ENV = {**env_info(), "vllm": vllm.__version__, "argv": sys.argv}
     assert AttentionBackendEnum["ELASTIC"] is AttentionBackendEnum.CUSTOM
-    for key in ARGS.checks.split(","):
-        for name, fn in CHECKS[key.strip()]:
-            run_check(name, fn)
+    names = [(n, fn) for key in ARGS.checks.split(",") for n, fn in CHECKS[key.strip()]]
+    if ARGS.only:
+        run_check(ARGS.only, {n: fn for group in CHECKS.values() for n, fn in group}[ARGS.only])
+    else:
+        # one process per check: a second engine in one process tripped the CUDA caching allocator during
+        # graph capture ('use_count > 0 INTERNAL ASSERT', first H200 run) and left later checks a broken RNG
+        for n, _ in names:
+            part = Path(ARGS.out).with_suffix(f".{n}.json")
+            cmd = [sys.executable, __file__, "--model", ARGS.model, "--out", str(part), "--only", n,
+                   "--needle-n", str(ARGS.needle_n), "--needle-len", str(ARGS.needle_len), "--long-len", str(ARGS.long_len)]  # fmt: skip
+            if ARGS.router:
+                cmd += ["--router", ARGS.router]
+            t = time.perf_counter()
+            rc = subprocess.run(cmd).returncode
+            got = json.loads(part.read_text())["results"] if part.exists() else []
+            if not got:
+                got = [{"name": n, "ok": False, "s": round(time.perf_counter() - t, 1), "error": f"exit code {rc}"}]
+            RESULTS.extend(got)
+            part.unlink(missing_ok=True)
+            write_json(ARGS.out, {"env": ENV, "results": RESULTS})
     failed = [r["name"] for r in RESULTS if not r["ok"]]
     print("FAILED: " + ", ".join(failed) if failed else "all checks passed", flush=True)
     return 1 if failed else 0
