@@ -50,8 +50,9 @@ def prom_query(base: str, q: str) -> list:
 def stack(tmp_path_factory, demo_model_dir):
     prom_bin = shutil.which("prometheus")
     assert prom_bin, "Debian package 'prometheus' is not installed (scripts/install.sh test installs it)"
-    from elastic_vllm.router.model import ElasticRouter
     from vllm_cpu.routers import save_test_router
+
+    from elastic_vllm.router.model import ElasticRouter
 
     tmp = tmp_path_factory.mktemp("prom-e2e")
     torch.manual_seed(3)
