@@ -131,6 +131,30 @@ def test_fast_path_and_reference_give_the_same_losses(env, tmp_path):
         torch.testing.assert_close(ra[k], rb[k], atol=1e-5, rtol=1e-4)
 
 
+def test_batched_forwards_equal_one_sequence_per_forward(env, tmp_path):
+    """Right-padded micro-batches (several sequences per forward, no padding mask) give what one
+    forward per sequence gives: every logged quantity and the trained router."""
+    _, one = run(env, tmp_path / "one", steps=3, batch_size=4, microbatch_tokens=1)
+    _, many = run(env, tmp_path / "many", steps=3, batch_size=4, microbatch_tokens=4096)
+    for a, b in zip(one, many):
+        assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-5)
+        assert a["reg_loss"] == pytest.approx(b["reg_loss"], rel=1e-5, abs=1e-7)
+        assert a["omega"] == pytest.approx(b["omega"], abs=1e-6)
+        assert a["omega_argmax"] == b["omega_argmax"]
+    ra = load_router(tmp_path / "one" / "router").router.state_dict()
+    rb = load_router(tmp_path / "many" / "router").router.state_dict()
+    for k in ra:
+        torch.testing.assert_close(ra[k], rb[k], atol=1e-5, rtol=1e-4)
+
+
+def test_microbatches_group_by_length_within_the_budget():
+    from elastic_vllm.train.loop import microbatches
+
+    groups = microbatches([50, 10, 30, 200, 20], 90)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
+    assert groups == [[1, 4, 2], [0], [3]]  # 3 x 30 = 90 fits; 50 alone (2 x 50 > 90); 200 > budget alone
+
+
 def test_resume_is_exact(env, tmp_path):
     _, full = run(env, tmp_path / "full", steps=4, save_every=2)
     _, part = run(env, tmp_path / "part", steps=4, save_every=2, stop_after=2)

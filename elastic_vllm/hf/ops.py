@@ -107,12 +107,11 @@ def ssa_attention_banded(
     vs = v[:, :, None, :S].expand(B, Hq, nb, S, D)
     kc = torch.cat([ks, kw], dim=3)  # [B, Hq, nb, S + 2W, D]
     vc = torch.cat([vs, vw], dim=3)
-    mask = _banded_mask(nb, W, S, dev)  # [nb, W, S + 2W]
     # blocks go to the batch dimension: [B * nb, Hq, ...] with the mask broadcast over heads
     qf = qb.transpose(1, 2).reshape(B * nb, Hq, W, D)
     kf = kc.transpose(1, 2).reshape(B * nb, Hq, S + 2 * W, D)
     vf = vc.transpose(1, 2).reshape(B * nb, Hq, S + 2 * W, D)
-    mf = mask[None].expand(B, nb, W, S + 2 * W).reshape(B * nb, 1, W, S + 2 * W)
+    mf = _banded_mask(nb, W, S, dev, B)  # [B * nb, 1, W, S + 2W]
     o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mf, scale=scale)  # [B*nb, Hq, W, D]
     return o.view(B, nb, Hq, W, D).transpose(1, 2).reshape(B, Hq, nb * W, D)[:, :, :T]
 
@@ -120,10 +119,11 @@ def ssa_attention_banded(
 _BANDED_MASKS: dict[tuple, torch.Tensor] = {}
 
 
-def _banded_mask(nb: int, W: int, S: int, dev: torch.device) -> torch.Tensor:
-    """The [nb, W, S + 2W] visibility of ``ssa_attention_banded``; every layer of a forward shares it
-    (cached: ~10 fewer kernel launches per layer, which is what bounds a 135M model's step time)."""
-    key = (nb, W, S, str(dev))
+def _banded_mask(nb: int, W: int, S: int, dev: torch.device, rows: int = 1) -> torch.Tensor:
+    """The visibility of ``ssa_attention_banded``, [rows * nb, 1, W, S + 2W] (block b of every row has the
+    same); every layer of a forward shares it (cached: ~10 fewer kernel launches per layer, which is
+    what bounds a 135M model's step time)."""
+    key = (nb, W, S, str(dev), rows)
     m = _BANDED_MASKS.get(key)
     if m is None:
         b_idx = torch.arange(nb, device=dev)[:, None, None]
@@ -133,6 +133,7 @@ def _banded_mask(nb: int, W: int, S: int, dev: torch.device) -> torch.Tensor:
         m_sink = (p_sink < (b_idx - 1) * W).expand(nb, W, S)
         m_win = (p_win >= 0) & (p_win <= i) & ((i - p_win < W) | (p_win < S))
         m = torch.cat([m_sink, m_win], dim=2)
+        m = m[None].expand(rows, nb, W, S + 2 * W).reshape(rows * nb, 1, W, S + 2 * W).contiguous()
         if len(_BANDED_MASKS) >= 16:
             _BANDED_MASKS.clear()
         _BANDED_MASKS[key] = m

@@ -174,18 +174,69 @@ def backbone_meta(model, cfg: TrainConfig) -> BackboneMeta:
     return BackboneMeta(**shape.model_dump(), id=bid, model_type=str(model.config.model_type))
 
 
-# --- one sequence ----------------------------------------------------------------------------
-def sequence_loss(model, state, ex: Example, noise: torch.Tensor | None, tau: float, dev: torch.device) -> dict:
-    """Forward one sequence; returns CE over its answer tokens and its straight-through routing."""
-    ids = torch.tensor(ex.input_ids, device=dev)[None]
-    T, P = ex.num_tokens, ex.prompt_len
-    state.train = TrainContext(prompt_lens=torch.tensor([P], device=dev), gumbel=noise, tau=tau)
-    keep = torch.arange(P - 1, T - 1, device=dev)
-    out = model(input_ids=ids, use_cache=False, logits_to_keep=keep)
-    ce = F.cross_entropy(out.logits[0].float(), ids[0, P:])
-    r = state.train.r_stack()  # [1, L, H, 2]
+# --- one forward: a right-padded batch of sequences ---------------------------------------------
+def batch_loss(model, state, exs: list[Example], noise: torch.Tensor | None, tau: float, dev: torch.device) -> dict:
+    """Forward ``exs`` as ONE right-padded batch; per row: CE over its answer tokens, straight-through Omega.
+
+    No padding mask is passed: every attention the trainer runs (FA causal, SSA sink + window, both
+    causal) only reads keys at or before the query, so a row's real tokens never see its trailing
+    padding and positions stay 0..T_b-1: each row computes exactly what it would alone, and the
+    fast unpadded paths (flash causal SDPA, banded SSA) run on the whole batch. One batch forward
+    instead of one per sequence divides the kernel launches (what bounds a 135M model) by B.
+    noise: [B, L, H_kv, 2] or None. Returns ce, omega, omega_argmax, each [B].
+    """
+    B = len(exs)
+    T = max(ex.num_tokens for ex in exs)
+    ids = torch.tensor([list(ex.input_ids) + [0] * (T - ex.num_tokens) for ex in exs], device=dev)
+    state.train = TrainContext(
+        prompt_lens=torch.tensor([ex.prompt_len for ex in exs], device=dev), gumbel=noise, tau=tau
+    )
+    # answer tokens: row b predicts ids[b, P:T_b] from the hidden states at P-1..T_b-2
+    rows, pos, tgt, cnt = [], [], [], []
+    for b, ex in enumerate(exs):
+        n = ex.num_tokens - ex.prompt_len
+        rows += [b] * n
+        pos += range(ex.prompt_len - 1, ex.num_tokens - 1)
+        tgt += ex.input_ids[ex.prompt_len :]
+        cnt.append(n)
+    rows_t, pos_t = torch.tensor(rows, device=dev), torch.tensor(pos, device=dev)
+    # the LM head sees only the answer positions [1, N, D] (a [B, T, V] logits tensor would not fit):
+    # a pre-hook inside the model's own forward, so FSDP's root hooks still gather the head's weights
+    head = model.get_output_embeddings()
+    hook = head.register_forward_pre_hook(lambda _m, args: (args[0][rows_t, pos_t][None], *args[1:]))
+    try:
+        out = model(input_ids=ids, use_cache=False, logits_to_keep=0)
+    finally:
+        hook.remove()
+    tok_ce = F.cross_entropy(out.logits[0].float(), torch.tensor(tgt, device=dev), reduction="none")
+    ce = torch.zeros(B, device=dev).index_add_(0, rows_t, tok_ce) / torch.tensor(cnt, device=dev, dtype=torch.float32)
+    r = state.train.r_stack()  # [B, L, H, 2]
     logits = torch.stack([state.train.logits[i] for i in sorted(state.train.logits)], 1)
-    return {"ce": ce, "omega": r[..., 0].mean(), "omega_argmax": (~decide(logits.detach())).float().mean()}
+    return {"ce": ce, "omega": r[..., 0].mean((1, 2)), "omega_argmax": (~decide(logits.detach())).float().mean((1, 2))}
+
+
+def sequence_loss(model, state, ex: Example, noise: torch.Tensor | None, tau: float, dev: torch.device) -> dict:
+    """One sequence (``batch_loss`` with B = 1); scalars."""
+    res = batch_loss(model, state, [ex], noise, tau, dev)
+    return {k: v[0] for k, v in res.items()}
+
+
+def microbatches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group positions 0..n-1 into forwards of at most ``budget`` padded tokens (rows x longest row).
+
+    Sorted by length first (little padding); a sequence longer than the budget goes alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > budget:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 # --- checkpoints -----------------------------------------------------------------------------
@@ -351,24 +402,28 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # per-rank sums, all-reduced for the log: [ce, reg, tokens] + per task [n, omega, omega_argmax]
         stats = torch.zeros(3 + 3 * len(tasks), dtype=torch.float64)
         cat_stats = torch.zeros(len(CATEGORIES), 2, dtype=torch.float64)  # [n, |d|]
-        for j in mine:
-            ex = examples[batch[j]]
-            noise = gumbel_noise(cfg.seed, step, j, L, H).to(dev) if cfg.gumbel else None
-            res = sequence_loss(model, state, ex, noise, tau, dev)
-            c = cat_index[ex.category]
+        exs = [examples[batch[j]] for j in mine]
+        for group in microbatches([ex.num_tokens for ex in exs], cfg.microbatch_tokens):
+            js = [mine[g] for g in group]
+            mb = [exs[g] for g in group]
+            noise = torch.cat([gumbel_noise(cfg.seed, step, j, L, H) for j in js]).to(dev) if cfg.gumbel else None
+            res = batch_loss(model, state, mb, noise, tau, dev)
+            c = torch.tensor([cat_index[ex.category] for ex in mb], device=dev)
             d = res["omega"] - targets[c]
             lin = d if cfg.linear_term == "signed" else d.abs()
             reg = lambdas.lambda1[c] * lin + lambdas.lambda2[c] * d * d
-            ((res["ce"] + reg) / cfg.batch_size).backward()
+            ((res["ce"] + reg).sum() / cfg.batch_size).backward()
             state.train = None
-            ti = tasks.index(ex.task)
-            # one host sync per sequence for everything the log needs
-            ce_v, reg_v, om_v, oma_v, d_v = torch.stack([res["ce"], reg, res["omega"], res["omega_argmax"], d]).tolist()
-            stats[0] += ce_v
-            stats[1] += reg_v
-            stats[2] += ex.num_tokens
-            stats[3 + 3 * ti : 6 + 3 * ti] += torch.tensor([1.0, om_v, oma_v], dtype=torch.float64)
-            cat_stats[c] += torch.tensor([1.0, abs(d_v)], dtype=torch.float64)
+            # one host sync per forward for everything the log needs
+            vals = torch.stack([res["ce"], reg, res["omega"], res["omega_argmax"], d]).tolist()
+            for k, ex in enumerate(mb):
+                ce_v, reg_v, om_v, oma_v, d_v = (v[k] for v in vals)
+                ti, ci = tasks.index(ex.task), cat_index[ex.category]
+                stats[0] += ce_v
+                stats[1] += reg_v
+                stats[2] += ex.num_tokens
+                stats[3 + 3 * ti : 6 + 3 * ti] += torch.tensor([1.0, om_v, oma_v], dtype=torch.float64)
+                cat_stats[ci] += torch.tensor([1.0, abs(d_v)], dtype=torch.float64)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         lam_grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lambdas.parameters()]
         _all_reduce_(grads + lam_grads, world)
