@@ -29,14 +29,21 @@ case "$step" in
     bash /tmp/stage/unpack.sh
     demo ;;
   check_train)
-    M=$(demo); mkdir -p "$OUT/train"
-    (STEPS=${STEPS:-300} TIME_BUDGET_S=${TIME_BUDGET_S:-170} MEASURE=1 NEEDLE_PER_LENGTH=${NEEDLE_PER_LENGTH:-10} \
-      bash scripts/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data "$OUT/train" > "$OUT/train.log" 2>&1;
-      echo "train rc=$?" >> "$OUT/train.log"; rm -rf /tmp/router; cp -r "$OUT/train/router" /tmp/router) &
+    # two training recipes side by side (VARIANT_A / VARIANT_B: environment for gpu_train_smollm2.sh), both
+    # measured; the better router (scripts/pick_router.py) goes to /tmp/router for the eval and e2e steps.
+    # Back: trainA.tgz, trainB.tgz (each run's 7 files), trainA.log, trainB.log, check_vllm.json, pick.txt
+    M=$(demo)
+    for v in A B; do
+      eval "vars=\${VARIANT_$v:-}"
+      (env $vars STEPS=${STEPS:-600} TIME_BUDGET_S=${TIME_BUDGET_S:-170} MEASURE=1 NEEDLE_PER_LENGTH=${NEEDLE_PER_LENGTH:-10} \
+        WORK=/tmp/work$v bash scripts/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data /tmp/train$v > "$OUT/train$v.log" 2>&1;
+        echo "train rc=$? ($vars)" >> "$OUT/train$v.log"; tar -C /tmp -czf "$OUT/train$v.tgz" train$v) &
+    done
     sleep ${CHECK_DELAY:-0}
     timeout ${CHECK_TIMEOUT:-420} python3 tests/gpu/check_vllm.py --model "$M" --out "$OUT/check_vllm.json" \
       --checks ${CHECKS:-all_fa,graphs,needle,batch,long} 2>&1 | grep -vE "^(INFO|DEBUG|\(EngineCore)" | tail -40 || true
-    wait; tail -25 "$OUT/train.log" ;;
+    wait; tail -12 "$OUT/trainA.log" "$OUT/trainB.log"
+    rm -rf /tmp/router; python3 scripts/pick_router.py /tmp/router /tmp/trainA /tmp/trainB | tee "$OUT/pick.txt" ;;
   e2e)
     M=$(demo)
     R=""; [ -d /tmp/router ] && R="--demo-router /tmp/router"

@@ -15,7 +15,7 @@
 # load + tokenizing ~15 s, the rest training; it stops early as a last resort, still writing the router),
 # MAX_TOKENS (4096: longer samples are skipped), MICROBATCH_TOKENS (32768 padded tokens per forward),
 # ROUTER_LR (2e-3), LAMBDA_LR (0.05), WARMUP (0.05), TARGET_ROBUST (1.0), TARGET_SENSITIVE (0.5),
-# MEASURE (0), NEEDLE_PER_LENGTH (10), WORK (/tmp/elastic-router-train).
+# MEASURE (0), NEEDLE_PER_LENGTH (10), NEEDLE_LENGTHS (2048,...,6144), WORK (/tmp/elastic-router-train).
 # The defaults are the SHORT-RUN recipe (a few hundred steps in ~150 s; README.md "Short runs"): a
 # higher router LR than the paper's 5e-4, multipliers that bite within ~100 steps (lambda LR 0.05, not
 # 1e-3), 5% warmup, sequences <= 4K tokens (the router reads boundary keys; SA still costs LM loss at
@@ -89,7 +89,7 @@ PY
 
 if [ "${MEASURE:-0}" = 1 ]; then
   python3 scripts/measure_trained_router.py --model "$MODEL" --router "$WORK/router" --eval "$DATA/eval.jsonl.gz" \
-    --per-length "${NEEDLE_PER_LENGTH:-10}" --out "$OUT/measure.json" | tee "$OUT/measure.md"
+    --per-length "${NEEDLE_PER_LENGTH:-10}" --lengths "${NEEDLE_LENGTHS:-2048,3072,4096,5120,6144}" --out "$OUT/measure.json" | tee "$OUT/measure.md"
   echo "measured in $(( $(date +%s) - T0 )) s total"
 fi
 ls "$OUT"
