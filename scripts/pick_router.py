@@ -21,7 +21,7 @@ def score(m: dict) -> tuple[int, float]:
     met = sum(bool(v["met"]) for v in t.values())
     sep = t["robust_minus_sensitive"]["value"]
     drop = t["needle_drop_vs_all_fa"]["value"]
-    return met, sep - 5.0 * max(0.0, drop - t["needle_drop_vs_all_fa"]["target"])
+    return met, sep - 5.0 * max(0.0, drop - 0.02)
 
 
 def main(argv: list[str]) -> int:

@@ -138,7 +138,8 @@ def measure(
     res["omega"] = omega_by_task(model, tok, eval_rows, max_tokens)
     res["needle"] = needle_accuracy(model, tok, lengths, per_length, haystack)
     gap = res["omega"]["robust_minus_sensitive"]
-    drop = res["needle"]["mean_all-FA"] - res["needle"]["mean_auto"]
+    # accuracies are counts / n: round away the float noise of the difference (0.94 - 0.92 = 0.0200...01)
+    drop = round(res["needle"]["mean_all-FA"] - res["needle"]["mean_auto"], 9)
     res["targets"] = {
         "robust_minus_sensitive": {"value": gap, "target": f">= {TARGET_GAP}", "met": gap >= TARGET_GAP},
         "needle_drop_vs_all_fa": {
