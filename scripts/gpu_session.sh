@@ -2,7 +2,7 @@
 # One GPU session on the lent H200 (no network): stage vLLM 0.26, then run the checks, training and
 # benchmarks. Each step is one `device run` call, back to back (the machine keeps /tmp ~30 s idle).
 #   bash scripts/gpu_session.sh stage N     # N = 1..4: copy .vllm-gpu/cN (built by build-bundle.sh) to /tmp/stage;
-#                                           # 1 also copies .gpu-carry (router data), 2 installs .whl/gguf
+#                                           # .gpu-carry (router data) when carried (with c4: 64 MiB), 2 installs .whl/gguf
 #   bash scripts/gpu_session.sh unpack      # unpack vLLM to /tmp/vsite, convert the demo model (from the carried GGUF)
 #   bash scripts/gpu_session.sh check_train # check_vllm.py (P4) and router training (P3) side by side
 #   bash scripts/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7)
@@ -22,7 +22,7 @@ case "$step" in
   stage)
     n=${2:?part}
     mkdir -p /tmp/stage && cp .vllm-gpu/c"$n"/* /tmp/stage/
-    [ "$n" = 1 ] && rm -rf /tmp/gpucarry && cp -r .gpu-carry /tmp/gpucarry
+    [ -d .gpu-carry ] && rm -rf /tmp/gpucarry && cp -r .gpu-carry /tmp/gpucarry
     [ "$n" = 2 ] && python3 -m pip install -q --no-index --no-deps --target /tmp/gsite .whl/gguf-*.whl
     ls /tmp/stage; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader ;;
   unpack)
