@@ -7,6 +7,7 @@
 | elastic:head_decisions_total         | counter   | model_name, layer, decision, tp_rank |
 | elastic:router_latency_seconds       | histogram | model_name, tp_rank                |
 | elastic:requests_total               | counter   | model_name, override               |
+| elastic:live_requests                | gauge     | model_name, tp_rank                |
 
 - Omega_MSR: share of KV heads (all layers, all TP ranks) routed to SA; Omega_ESR: mean pruned share
   of the causal (query, key) pairs at the request's prompt length (``elastic_vllm.sparsity``).
@@ -14,6 +15,7 @@
   ``sum(rate(..{decision="SA"}[5m])) / sum(rate(..[5m]))`` is the fleet-wide sparsity and
   ``sum by (layer)`` the per-layer SA share.
 - ``override`` is the request's routing mode: auto, all-FA or all-SA.
+- ``live_requests``: requests holding per-request routing state in the engine (``state.py``); 0 when idle.
 
 The metrics are written by the engine process. They reach the API server's /metrics only in
 prometheus_client's multiprocess mode: PROMETHEUS_MULTIPROC_DIR must be set, fresh, before any
@@ -50,7 +52,7 @@ class RoutingRecord:
 
 class _Metrics:
     def __init__(self) -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         self.msr = Histogram(
             "elastic:request_omega_msr",
@@ -79,6 +81,12 @@ class _Metrics:
             "elastic:requests",
             "Requests whose routing became final, by override mode.",
             ["model_name", "override"],
+        )
+        self.live = Gauge(
+            "elastic:live_requests",
+            "Requests holding per-request routing state in the engine (this rank); 0 when idle.",
+            ["model_name", "tp_rank"],
+            multiprocess_mode="livesum",
         )
 
 
@@ -117,3 +125,8 @@ def record_routing(rec: RoutingRecord) -> None:
         m.msr.labels(rec.model_name).observe(rec.omega_msr)
         m.esr.labels(rec.model_name).observe(rec.omega_esr)
         m.requests.labels(rec.model_name, rec.override).inc()
+
+
+def set_live_requests(model_name: str, tp_rank: int, n: int) -> None:
+    """The number of requests whose routing state the engine holds (updated by ``state.py``)."""
+    metrics().live.labels(model_name, str(tp_rank)).set(n)

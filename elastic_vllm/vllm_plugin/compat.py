@@ -168,6 +168,33 @@ def install_request_validator(validate: Callable[[Any], None], class_path: str) 
     _validate_params._elastic_wrapped = True  # type: ignore[attr-defined]
     InputProcessor._validate_params = _validate_params
 
+    # A streamed response starts before the engine client iterates the request (the check above then
+    # arrives as an in-stream error event after HTTP 200): also check when the OpenAI server builds the
+    # SamplingParams, before it answers, in processes whose InputProcessor serves our backend.
+    original_init = InputProcessor.__init__
+    from vllm.sampling_params import SamplingParams
+
+    original_verify = SamplingParams._verify_args
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        original_init(self, vllm_config, *args, **kwargs)
+        if is_elastic_backend(getattr(vllm_config.attention_config, "backend", None), class_path):
+            _SERVING_ELASTIC[0] = True
+
+    def _verify_args(self) -> None:
+        original_verify(self)
+        if _SERVING_ELASTIC[0] and getattr(self, "extra_args", None):
+            try:
+                validate(self)
+            except ValueError as e:
+                raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+
+    InputProcessor.__init__ = __init__
+    SamplingParams._verify_args = _verify_args
+
+
+_SERVING_ELASTIC = [False]  # set when an InputProcessor of this process serves the elastic backend
+
 
 # --- configuration and distributed facts -------------------------------------------------------
 def get_current_vllm_config():

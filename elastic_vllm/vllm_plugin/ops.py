@@ -53,6 +53,8 @@ XaSink = Callable[[int, int, int, int, torch.Tensor], None]
 
 def resolve_ops(requested: str | None, device: torch.device) -> str:
     """'torch' or 'triton' for this engine (errors name the option)."""
+    if requested is not None and not isinstance(requested, str):  # e.g. {"elastic_ops": 1} in --additional-config
+        raise ValueError(f"elastic_ops / {OPS_ENV}: must be one of {', '.join(OPS_CHOICES)} (got {requested!r})")
     name = (requested or os.environ.get(OPS_ENV) or "auto").lower()
     if name not in OPS_CHOICES:
         raise ValueError(f"elastic_ops / {OPS_ENV}: must be one of {', '.join(OPS_CHOICES)} (got {name!r})")

@@ -248,6 +248,7 @@ class EngineState(compat.RunnerObserver):
         self.in_step = False
         self.plan: StepPlan | None = None
         self.attached = False
+        self._live_published = -1  # last value of the elastic:live_requests gauge
         logger.info(
             "elastic attention: %s, router %s, ops=%s, tp %d/%d (KV heads %s)",
             self.cfg.model_dump(exclude={"router_path"}),
@@ -338,6 +339,19 @@ class EngineState(compat.RunnerObserver):
         for rid, n in zip(cached.req_ids, cached.num_computed_tokens):
             self.step_computed[rid] = n
         self.step_tokens = dict(so.num_scheduled_tokens)
+        self._publish_live()
+
+    def _publish_live(self) -> None:
+        """elastic:live_requests = requests holding state here (0 when idle); metrics never take the engine down."""
+        if len(self.requests) == self._live_published:
+            return
+        self._live_published = len(self.requests)
+        try:
+            from elastic_vllm.telemetry.metrics import set_live_requests
+
+            set_live_requests(self.model_name, self.tp_rank, self._live_published)
+        except Exception:
+            logger.exception("elastic-vllm: recording elastic:live_requests failed")
 
     def on_rows(self, req_ids: list[str | None]) -> None:
         self.rows = req_ids

@@ -1,0 +1,90 @@
+"""P8.5 fuzzing of the inputs tests/test_fuzz.py does not reach: the per-request override (``vllm_xargs``,
+any JSON a client can send) and the ``additional_config`` of the engine (``elastic`` section plus
+``elastic_ops``). tests/test_fuzz.py covers the config parser (ElasticConfig.parse on dicts and raw
+strings) and the router checkpoint loader (corrupted weights, fuzzed router.json)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from elastic_vllm.config import FORCES, ConfigError, ElasticConfig
+from elastic_vllm.vllm_plugin.ops import OPS_CHOICES, OPS_ENV, resolve_ops
+from elastic_vllm.vllm_plugin.overrides import (
+    OVERRIDE_KEY,
+    SHARE_KEY,
+    effective_force,
+    request_override,
+    request_sa_share,
+    validate_sampling_params,
+)
+from elastic_vllm.vllm_plugin.state import parse_additional_config
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from([*FORCES, "ALL-FA", "all_fa", " auto", "all-SA\x00", 0.0, 1.0, -0.0, 0.5, 1, 0]),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=6,
+)
+xargs = st.dictionaries(st.sampled_from([OVERRIDE_KEY, SHARE_KEY, "elastic_forc", "x"]), json_values, max_size=3)
+
+
+@settings(max_examples=500, deadline=None)
+@given(xargs | st.none())
+def test_request_override_accepts_or_names_the_field(extra):
+    """Any vllm_xargs: accepted with a valid (force, share), or ValueError naming vllm_xargs.<field>."""
+    try:
+        validate_sampling_params(SimpleNamespace(extra_args=extra))
+    except ValueError as e:
+        msg = str(e)
+        assert msg.startswith((f"vllm_xargs.{OVERRIDE_KEY}: ", f"vllm_xargs.{SHARE_KEY}: ")), msg
+        assert "\n" not in msg
+        return
+    force = request_override(extra)
+    share = request_sa_share(extra)
+    assert force in FORCES
+    assert effective_force(force, "all-SA") in FORCES
+    if share is not None:
+        assert isinstance(share, float) and 0.0 <= share <= 1.0 and not math.isnan(share)
+        assert force == "auto"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["elastic", "elastic_ops", "other"]), json_values, max_size=3) | json_values)
+def test_additional_config_parses_or_names_the_field(additional):
+    """parse_additional_config, then resolve_ops (what EngineState does at startup): a config, or an
+    error naming the field (never a TypeError / AttributeError out of the engine's constructor)."""
+    vllm_config = SimpleNamespace(additional_config=additional)
+    try:
+        cfg, ops = parse_additional_config(vllm_config)
+    except ConfigError as e:
+        assert str(e).startswith("invalid elastic config:"), e
+        return
+    assert isinstance(cfg, ElasticConfig)
+    try:
+        resolved = resolve_ops(ops, torch.device("cpu"))
+    except ValueError as e:
+        assert str(e).startswith(f"elastic_ops / {OPS_ENV}: must be one of"), e
+        return
+    assert resolved in ("torch", "triton")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(json_values)
+def test_resolve_ops_on_any_value(monkeypatch, requested):
+    monkeypatch.delenv(OPS_ENV, raising=False)
+    try:
+        resolved = resolve_ops(requested, torch.device("cpu"))
+    except ValueError as e:
+        assert "elastic_ops" in str(e)
+        return
+    assert resolved in ("torch", "triton")
+    assert requested in (None, "") or str(requested).lower() in OPS_CHOICES

@@ -1,0 +1,144 @@
+"""P8.2 odd requests against a real `elastic-vllm serve` (the shared server: demo model, random router,
+max_model_len 2048): each gets a correct answer (200 with generated text) or a clean 4xx naming the
+problem, never a 5xx; the server answers /health after each; the routing of an answered request is
+recorded once per engine request (an ``n``-sample request is n engine requests); a refused request
+records nothing and leaves no per-request state behind."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from .serving import MAX_MODEL_LEN, MODEL_NAME, delta, prompt_ids, wait_until
+
+pytestmark = pytest.mark.slow
+
+RNG = random.Random(11)
+SHORT = prompt_ids(RNG, 50)  # < 200 tokens: the first and last pool_tokens (100) overlap
+LONG = prompt_ids(RNG, MAX_MODEL_LEN + 1)
+MAX_TOKENS = 8
+OK, BAD = 200, 400
+
+
+def completion(prompt, max_tokens=MAX_TOKENS, **kw) -> dict:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+def chat(messages, max_tokens=MAX_TOKENS, **kw) -> dict:
+    return {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+def xargs(**values) -> dict:
+    return {"vllm_xargs": values}
+
+
+# id: (endpoint, body, status, what the answer must say / how many routings it records)
+CASES = {
+    "short_prompt": ("completions", completion(SHORT, ignore_eos=True), OK, 1),
+    "one_token_prompt": ("completions", completion(SHORT[:1], ignore_eos=True), OK, 1),
+    "prompt_at_max_length": (
+        "completions",
+        completion(LONG[: MAX_MODEL_LEN - MAX_TOKENS], ignore_eos=True),
+        OK,
+        1,
+    ),
+    "prompt_of_max_model_len": ("completions", completion(LONG[:MAX_MODEL_LEN]), BAD, "max_tokens"),
+    "prompt_over_max_model_len": ("completions", completion(LONG), BAD, "maximum context length is 2048"),
+    "empty_prompt": ("completions", completion(""), BAD, "non-empty"),
+    "empty_chat_content": ("chat", chat([{"role": "user", "content": ""}], ignore_eos=True), OK, 1),
+    "empty_chat_messages": ("chat", chat([]), BAD, "empty conversation"),
+    "huge_max_tokens": ("completions", completion("Hi", max_tokens=100_000), BAD, "cannot be greater than max_model_len"),
+    "max_tokens_over_max_model_len": (
+        "completions",
+        completion("Hi", max_tokens=MAX_MODEL_LEN + 1),
+        BAD,
+        "cannot be greater than max_model_len",
+    ),
+    "max_tokens_zero": ("completions", completion("Hi", max_tokens=0), BAD, "max_tokens must be at least 1"),
+    "out_of_vocabulary_token": ("completions", completion([10**9]), BAD, "out of vocabulary"),
+    "override_all_fa": ("completions", completion(SHORT, **xargs(elastic_force="all-FA")), OK, 1),
+    "override_all_sa": ("chat", chat([{"role": "user", "content": "Hi"}], **xargs(elastic_force="all-SA")), OK, 1),
+    "override_auto": ("completions", completion(SHORT, **xargs(elastic_force="auto")), OK, 1),
+    "override_unknown": ("completions", completion("Hi", **xargs(elastic_force="sparse")), BAD, "elastic_force: must be one of"),
+    "override_wrong_case": ("completions", completion("Hi", **xargs(elastic_force="ALL-FA")), BAD, "(got 'ALL-FA')"),
+    "override_number": ("completions", completion("Hi", **xargs(elastic_force=3)), BAD, "elastic_force: must be one of"),
+    "override_list": ("chat", chat([{"role": "user", "content": "Hi"}], **xargs(elastic_force=["all-FA"])), BAD, "elastic_force"),
+    "override_null": ("completions", completion("Hi", **xargs(elastic_force=None)), BAD, "elastic_force"),
+    "override_unknown_stream": (
+        "completions",
+        completion("Hi", stream=True, **xargs(elastic_force="sparse")),
+        BAD,
+        "elastic_force: must be one of",
+    ),
+    "override_unknown_chat_stream": (
+        "chat",
+        chat([{"role": "user", "content": "Hi"}], stream=True, **xargs(elastic_force="dense")),
+        BAD,
+        "elastic_force: must be one of",
+    ),
+    "sa_share_out_of_range": ("completions", completion("Hi", **xargs(elastic_sa_share=2)), BAD, "elastic_sa_share: must be a number in [0, 1]"),
+    "sa_share_with_force": (
+        "completions",
+        completion("Hi", **xargs(elastic_sa_share=0.5, elastic_force="all-FA")),
+        BAD,
+        "cannot be combined with elastic_force",
+    ),
+    "xargs_not_an_object": ("completions", completion("Hi", vllm_xargs="all-FA"), BAD, "vllm_xargs"),
+    "two_samples": ("completions", completion(SHORT, n=2, temperature=1.0, seed=3), OK, 2),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.base, timeout=600) as c:
+        yield c
+
+
+def _live(server) -> float:
+    from elastic_vllm.server import metric_value
+
+    return metric_value(server.metrics(), "elastic:live_requests")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_odd_request(server, client, case):
+    endpoint, body, status, expect = CASES[case]
+    m0 = server.metrics()
+    r = client.post("/v1/chat/completions" if endpoint == "chat" else "/v1/completions", json=body)
+    assert r.status_code < 500, f"{case}: HTTP {r.status_code}: {r.text[:2000]}"
+    assert r.status_code == status, f"{case}: HTTP {r.status_code}: {r.text[:2000]}"
+    assert client.get("/health").status_code == 200, f"server unhealthy after {case}"
+    m1 = server.metrics()
+    routed = delta(m0, m1, "elastic:requests_total")
+    if status == OK:
+        choices = r.json()["choices"]
+        assert len(choices) == body.get("n", 1)
+        for ch in choices:
+            text = ch["message"]["content"] if endpoint == "chat" else ch["text"]
+            assert isinstance(text, str) and text, f"{case}: no text in {ch}"
+        if body.get("ignore_eos"):
+            assert r.json()["usage"]["completion_tokens"] == body["max_tokens"] * body.get("n", 1)
+        assert routed == expect, f"{case}: {routed} routings recorded, expected {expect}"
+        assert delta(m0, m1, "elastic:request_omega_msr_count") == expect
+        force = body.get("vllm_xargs", {}).get("elastic_force", "auto")
+        assert delta(m0, m1, "elastic:requests_total", override=force) == expect
+        if force != "auto":  # forced routing is exact: all-FA 0, all-SA 1
+            assert delta(m0, m1, "elastic:request_omega_msr_sum") == pytest.approx({"all-FA": 0, "all-SA": 1}[force])
+    else:
+        err = r.json()["error"]
+        assert expect in err["message"], f"{case}: {err}"
+        assert err.get("code") == status and r.headers["content-type"].startswith("application/json")
+        assert routed == 0, f"{case}: a refused request recorded a routing"
+    # per-request state is released (a finished request is freed at the engine's next step)
+    assert wait_until(lambda: _live(server) == 0, 30), f"{case}: elastic:live_requests stays {_live(server)}"
+
+
+def test_still_serving_after_the_odd_requests(server, client):
+    r = client.post("/v1/completions", json=completion(SHORT, ignore_eos=True))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    stream = client.post("/v1/completions", json=completion("Once upon a time", stream=True))
+    events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
