@@ -128,11 +128,11 @@ def _route_pool_kernel(
 
 @triton.jit(do_not_specialize=["layer", "pool_tokens"])
 def _route_task_kernel(
-    key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f,
+    key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f, norm,
     s_kb, s_kt, s_kh, s_bt, s_w, layer, pool_tokens, attention_scaling,
     HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, HID: tl.constexpr,
-    NS1: tl.constexpr, FUSED_POOL: tl.constexpr, NPOOL: tl.constexpr,
+    NS1: tl.constexpr, FUSED_POOL: tl.constexpr, NPOOL: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
     """Launch 1: pool head h (or sum the pooling launch's partials), Task MLP hidden slice s."""
     i_s = tl.program_id(0)
@@ -175,10 +175,19 @@ def _route_task_kernel(
     inv_n = 1.0 / n_pool.to(tl.float32)
     x1 = x1 * (inv_n / attention_scaling)
     x2 = x2 * (inv_n / attention_scaling)
+    xp = xp * inv_n
+    if HAS_NORM:  # the router's input standardization: (x - shift[layer, h]) * scale[layer, h]
+        p_n = norm + (layer * HKV + i_h).to(tl.int64) * (2 * D)  # [L, HKV, 2, D]: shift, scale
+        x1 = (x1 - tl.load(p_n + o_i, mask=m_i, other=0.0)) * tl.load(p_n + D + o_i, mask=m_i, other=0.0)
+        x2 = (x2 - tl.load(p_n + HALF + o_i, mask=m_i, other=0.0)) * tl.load(p_n + D + HALF + o_i, mask=m_i, other=0.0)
+        if ROT < D:
+            xp = (xp - tl.load(p_n + ROT + o_p, mask=m_p, other=0.0)) * tl.load(
+                p_n + D + ROT + o_p, mask=m_p, other=0.0
+            )
     h_pre = tl.sum(w1a * x1[None, :], 1) + tl.sum(w1b * x2[None, :], 1) + b1  # [CH]
     if ROT < D:
         w1p = tl.load(p_w1 + ROT + o_p[None, :], mask=m_p[None, :], other=0.0)
-        h_pre += tl.sum(w1p * (xp * inv_n)[None, :], 1)
+        h_pre += tl.sum(w1p * xp[None, :], 1)
     hid = _silu(h_pre)
     f_part = tl.sum(w2 * hid[:, None], 0)  # [BD]
     tl.store(ws_f + ((i_r * HKV + i_h) * NS1 + i_s).to(tl.int64) * D + o_d, f_part, mask=m_d)
@@ -237,6 +246,13 @@ def router_param_count(head_dim: int, hidden: int) -> int:
     return 4 * hidden * head_dim + 2 * hidden + 4 * head_dim + 2
 
 
+def pack_router_norm(router) -> torch.Tensor | None:
+    """[L, Hkv, 2, d] float32 (shift, scale) of an ``ElasticRouter``'s input standardization, or None."""
+    if getattr(router, "input_shift", None) is None:
+        return None
+    return torch.stack([router.input_shift, router.input_scale], 2).float().contiguous()
+
+
 def pack_router_weights(router) -> torch.Tensor:
     """[L, P] float32 contiguous: each row the layer's weights in nn.Linear order
     (W1 [4d, d], b1, W2 [d, 4d], b2, W3 [4d, d], b3, W4 [d, 4d], b4, W5 [2, d], b5).
@@ -278,6 +294,7 @@ class Router:
         fa_value: int = 0,
         sa_value: int = 1,
         num_chunks: int | None = None,
+        norm: torch.Tensor | None = None,
     ):
         dev = weights.device
         d, hkv = head_dim, num_kv_heads
@@ -290,6 +307,11 @@ class Router:
             raise ValueError(f"weights: {p} floats per layer is not a packed router for head_dim {d}")
         check_tensor(table, "table", dim=3, dtypes=MODE_DTYPES, shape=(None, num_layers, hkv), device=dev)
         check_tensor(inv_freq, "inv_freq", dim=1, dtypes=(torch.float32,), device=dev)
+        if norm is not None:
+            check_tensor(norm, "norm", dim=4, dtypes=(torch.float32,), shape=(num_layers, hkv, 2, d), device=dev)
+            if not norm.is_contiguous():
+                raise ValueError("norm: must be contiguous (use pack_router_norm)")
+        self.norm = norm
         rot = 2 * inv_freq.shape[0]
         if rot == 0 or rot > d:
             raise ValueError(f"inv_freq: rotary_dim {rot} must be in (0, head_dim {d}]")
@@ -315,7 +337,7 @@ class Router:
         )  # fmt: skip
         self.task_meta = dict(
             self.pool_meta, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1,
-            FUSED_POOL=self.fused_pool, NPOOL=POOL_PROGRAMS, num_warps=8,
+            FUSED_POOL=self.fused_pool, NPOOL=POOL_PROGRAMS, HAS_NORM=norm is not None, num_warps=8,
         )  # fmt: skip
         self.router_meta = dict(HKV=hkv, D=d, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1, NS2=self.ns2,
                                 num_warps=4)  # fmt: skip
@@ -361,6 +383,7 @@ class Router:
             )  # fmt: skip
         _route_task_kernel[(self.ns1, self.hkv, R)](
             key_cache, block_table, req_rows, prompt_lens, self.inv_freq, self.weights, pool, ws_f,
+            self.norm if self.norm is not None else self.weights,
             ks[0], ks[1], ks[2], bts, sw, layer, self.pool_tokens, self.scaling, **self.task_meta,
         )  # fmt: skip
         ts = self.table.stride()
@@ -389,6 +412,7 @@ def route(
     sa_value: int = 1,
     logits_out: torch.Tensor | None = None,
     num_chunks: int | None = None,
+    norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Route ``R`` requests at one layer and write their decisions into ``table`` in place.
 
@@ -406,6 +430,7 @@ def route(
         pool_tokens, pooling: "boundary" = mean of the first/last pool_tokens; "whole" = all.
         logits_out: optional [R, Hkv, 2] float32, receives the router logits.
         num_chunks: hidden slices per MLP pair (see ``Router``).
+        norm: optional [L, Hkv, 2, d] float32 input standardization from ``pack_router_norm``.
 
     Returns:
         table. No host synchronisation.
@@ -425,7 +450,7 @@ def route(
     router = Router(
         weights, table, inv_freq=inv_freq, num_kv_heads=hkv, head_dim=d, block_size=bs,
         attention_scaling=attention_scaling, pool_tokens=pool_tokens, pooling=pooling, fa_value=fa_value,
-        sa_value=sa_value, num_chunks=num_chunks,
+        sa_value=sa_value, num_chunks=num_chunks, norm=norm,
     )  # fmt: skip
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer: {layer} out of range for {num_layers} router layers")

@@ -28,6 +28,14 @@ case "$step" in
   unpack)
     bash /tmp/stage/unpack.sh
     demo ;;
+  train_only)
+    # router training alone, without vLLM: the GGUF travels in two halves (.gpu-gguf/a then .gpu-gguf/b,
+    # `split -n 2 -d GGUF`), reassembled here; back: the 7 files of gpu_train_smollm2.sh
+    [ -d .gpu-carry ] && rm -rf /tmp/gpucarry && cp -r .gpu-carry /tmp/gpucarry
+    mkdir -p /tmp/gg && cp .gpu-gguf/*/gg.* /tmp/gg/ 2>/dev/null || true
+    if [ "${2:-}" != run ]; then ls -la /tmp/gg; exit 0; fi
+    mkdir -p /tmp/stage/extra && cat /tmp/gg/gg.00 /tmp/gg/gg.01 > "$GGUF"
+    PYTHONPATH=$PWD MEASURE=1 bash scripts/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data "$OUT" ;;
   check_train)
     # two training recipes side by side (VARIANT_A / VARIANT_B: environment for gpu_train_smollm2.sh), both
     # measured; the better router (scripts/pick_router.py) goes to /tmp/router for the eval and e2e steps.

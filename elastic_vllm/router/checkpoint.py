@@ -175,6 +175,9 @@ def check_shape(meta: RouterMeta, model: BackboneShape, model_name: str = "the m
         )
 
 
+NORM_KEYS = {"input_shift", "input_scale"}
+
+
 def expected_shapes(num_layers: int, head_dim: int, hidden_mult: int) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of an ElasticRouter, computed without allocating it."""
     d, h = head_dim, hidden_mult * head_dim
@@ -222,6 +225,9 @@ def load_router(
     except (SafetensorError, OSError, ValueError) as e:
         raise RouterCheckpointError(f"{wpath} is truncated or corrupted: {e}") from None
     expected = expected_shapes(meta.backbone.num_layers, meta.backbone.head_dim, meta.hidden_mult)
+    norm_shape = (meta.backbone.num_layers, meta.backbone.num_kv_heads, meta.backbone.head_dim)
+    if NORM_KEYS & set(tensors):  # optional input standardization: both tensors or neither
+        expected.update({k: norm_shape for k in NORM_KEYS})
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
@@ -239,6 +245,10 @@ def load_router(
             raise RouterCheckpointError(f"{wpath}: tensor {k} holds NaN or inf values")
     # shapes verified against the file: allocating the router cannot blow up on bad metadata
     router = ElasticRouter(meta.backbone.num_layers, meta.backbone.head_dim, meta.hidden_mult)
+    if "input_shift" in tensors:
+        if not (tensors["input_scale"] > 0).all():
+            raise RouterCheckpointError(f"{wpath}: tensor input_scale has values <= 0")
+        router.set_input_norm(tensors["input_shift"], tensors["input_scale"])
     router.load_state_dict({k: t.float() for k, t in tensors.items()})
     router.to(device).eval().requires_grad_(False)
     return RouterCheckpoint(router=router, meta=meta, path=folder)

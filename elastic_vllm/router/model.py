@@ -9,6 +9,14 @@ Matches the authors' checkpoints tensor for tensor (see ``router/convert.py``)::
       -> logits z [H_kv, 2];  decision = argmax z;  INDEX 1 = FULL ATTENTION
 
 With d = 128 a layer has 263,682 parameters (the paper's "0.27M").
+
+Optional (ours, not in the authors' checkpoints): a fixed per-(layer, KV head) input standardization
+``x -> (x - input_shift[l, h]) * input_scale[l, h]`` before the Task MLP (buffers [L, H_kv, d],
+measured on training prompts before training starts). Pooled keys of one head are dominated by a
+large constant vector (|mean| ~15 against a spread of ~1.6 on SmolLM2; the robust-vs-sensitive
+difference is ~1): without it AdamW moves every prompt's logits together and the decisions do not
+depend on the prompt; with it a few hundred steps separate tasks. Heads share the MLP weights, so
+the per-head shift cannot be folded into them.
 The router runs in float32 whatever the backbone dtype: it is tiny, and the
 vLLM and transformers engines must reach the same decisions.
 """
@@ -50,13 +58,37 @@ class ElasticRouter(nn.Module):
         self.head_dim = head_dim
         self.hidden_mult = hidden_mult
         self.layers = nn.ModuleList(LayerRouter(head_dim, hidden_mult) for _ in range(num_layers))
+        self.register_buffer("input_shift", None)  # set_input_norm; None = no standardization
+        self.register_buffer("input_scale", None)
+
+    def set_input_norm(self, shift: torch.Tensor, scale: torch.Tensor) -> None:
+        """Fix the input standardization: shift, scale [num_layers, H_kv, head_dim] (finite, scale > 0)."""
+        if shift.dim() != 3 or shift.shape != scale.shape or shift.shape[0] != self.num_layers:
+            raise ValueError(
+                f"input norm must be two [num_layers={self.num_layers}, H_kv, head_dim={self.head_dim}] tensors, "
+                f"got {tuple(shift.shape)} and {tuple(scale.shape)}"
+            )
+        if shift.shape[2] != self.head_dim:
+            raise ValueError(f"input norm head_dim {shift.shape[2]} != router head_dim {self.head_dim}")
+        if not (torch.isfinite(shift).all() and torch.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError("input norm must be finite with scale > 0")
+        dev = self.layers[0].cls_feat_extractor[0].weight.device
+        self.input_shift = shift.detach().float().to(dev).contiguous()
+        self.input_scale = scale.detach().float().to(dev).contiguous()
 
     def forward(self, layer: int, pooled: torch.Tensor) -> torch.Tensor:
         if pooled.shape[-1] != self.head_dim:
             raise ValueError(
                 f"router expects pooled keys with head_dim {self.head_dim}, got shape {tuple(pooled.shape)}"
             )
-        return self.layers[layer](pooled.float())
+        x = pooled.float()
+        if self.input_shift is not None:
+            if x.shape[-2] != self.input_shift.shape[1]:
+                raise ValueError(
+                    f"router input norm is for {self.input_shift.shape[1]} KV heads, got pooled keys {tuple(x.shape)}"
+                )
+            x = (x - self.input_shift[layer]) * self.input_scale[layer]
+        return self.layers[layer](x)
 
     @torch.no_grad()
     def route(self, layer: int, pooled: torch.Tensor) -> torch.Tensor:

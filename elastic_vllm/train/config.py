@@ -5,6 +5,7 @@ Defaults and where they come from:
 | knob | default | source |
 |---|---|---|
 | steps | 300 | paper (Table 6) |
+| input_norm_samples | 64 prompts | ours: per-(layer, KV head) standardization of the router input, measured before step 1 (router/model.py says why) |
 | microbatch_tokens | 32768 padded tokens per forward | ours (speed: one forward per group of sequences, not per sequence; same result) |
 | router_lr | 5e-4 | paper |
 | lambda_lr | 1e-3, own param group, no weight decay | paper; the authors' code also decays the lambdas (a bug, not copied) |
@@ -73,6 +74,12 @@ class TrainConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     device: str = "auto"
     gradient_checkpointing: bool = True
+    input_norm_samples: int = Field(
+        64,
+        ge=0,
+        description="prompts (over all ranks) whose pooled keys fix the router's per-(layer, KV head) input "
+        "standardization before training; 0 = none (the authors' router)",
+    )
     fsdp: bool = True
     save_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)

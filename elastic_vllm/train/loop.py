@@ -239,6 +239,38 @@ def microbatches(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+# --- router input standardization --------------------------------------------------------------
+@torch.no_grad()
+def calibrate_input_norm(model, state, router, examples: list[Example], n: int, rank: int, world: int, dev):
+    """Per-(layer, KV head, dim) mean and 1/std of the router's pooled input over ``n`` prompts
+    (split over the ranks, all-reduced): fixed before training, saved with the router."""
+    L = router.num_layers
+    mine = examples[rank::world][: max(1, n // world)]
+    acc: dict[int, torch.Tensor] = {}
+    real = state.router
+
+    def recorder(layer: int, pooled: torch.Tensor) -> torch.Tensor:
+        x = pooled.detach().double()[0]  # [H, d]
+        acc[layer] = acc.get(layer, 0) + torch.stack([x, x * x])
+        return real(layer, pooled)
+
+    state.router, state.train = recorder, None
+    try:
+        for ex in mine:
+            model(input_ids=torch.tensor([ex.input_ids[: ex.prompt_len]], device=dev), use_cache=False)
+    finally:
+        state.router = real
+    if sorted(acc) != list(range(L)):
+        raise RuntimeError(f"router input calibration saw layers {sorted(acc)}, expected 0..{L - 1}")
+    sums = torch.stack([acc[i] for i in range(L)], 1)  # [2, L, H, d]
+    count = torch.tensor([float(len(mine))], dtype=torch.float64, device=sums.device)
+    _all_reduce_([sums, count], world)
+    mean = sums[0] / count
+    std = (sums[1] / count - mean * mean).clamp_min(0).sqrt()
+    floor = 0.1 * std.mean(-1, keepdim=True).clamp_min(1e-6)  # a near-constant dim must not blow up
+    return mean.float(), (1.0 / torch.maximum(std, floor)).float()
+
+
 # --- checkpoints -----------------------------------------------------------------------------
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
@@ -316,6 +348,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     router = ElasticRouter(meta_b.num_layers, meta_b.head_dim).to(dev)
     state = enable_elastic(model, cfg.elastic, router, impl=cfg.impl)
+    if cfg.input_norm_samples:
+        shift, scale = calibrate_input_norm(model, state, router, examples, cfg.input_norm_samples, rank, world, dev)
+        router.set_input_norm(shift, scale)
     router.requires_grad_(True).train()
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -200,9 +200,11 @@ class TritonRouter:
     def __init__(
         self, router: ElasticRouter, rope: RopeSpec, num_layers: int, num_kv_heads: int, max_rows: int, device
     ):
-        from elastic_vllm.csrc.route import pack_router_weights
+        from elastic_vllm.csrc.route import pack_router_norm, pack_router_weights
 
         self.weights = pack_router_weights(router).to(device).contiguous()
+        norm = pack_router_norm(router)  # the router's input standardization, if it has one
+        self.norm = None if norm is None else norm.to(device).contiguous()
         self.inv_freq = rope.inv_freq.to(device, torch.float32)
         self.scaling = float(rope.attention_scaling)
         # the kernel also writes decisions into a table; ours come from its logits, so a scratch one
@@ -228,5 +230,6 @@ class TritonRouter:
             pool_tokens=cfg.pool_tokens,
             pooling=cfg.pooling,
             logits_out=out,
+            norm=self.norm,
         )
         return out

@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from elastic_vllm.csrc.route import _sincos, pack_router_weights, route, router_param_count
+from elastic_vllm.csrc.route import _sincos, pack_router_norm, pack_router_weights, route, router_param_count
 from kutils import no_host_sync, strided_caches
 
 from elastic_vllm.reference.paged import make_paged_batch
@@ -17,13 +17,17 @@ from elastic_vllm.router.model import ElasticRouter, num_parameters_per_layer
 LOGIT_ATOL = 2e-5  # fp32 throughout; only summation order differs
 
 
-def make_case(lens, hkv=4, d=32, rot=24, scaling=1.3, layers=3, pool=100, seed=0, bs=16):
+def make_case(lens, hkv=4, d=32, rot=24, scaling=1.3, layers=3, pool=100, seed=0, bs=16, norm=False):
     gen = torch.Generator().manual_seed(seed)
     batch = make_paged_batch(lens, lens, hkv, hkv, d, block_size=bs, generator=gen)
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
     spec = RopeSpec(inv, scaling, rot, d)
     torch.manual_seed(seed)
     router = ElasticRouter(layers, d)
+    if norm:  # a per-(layer, head, dim) input standardization, as training fixes it
+        router.set_input_norm(
+            torch.randn(layers, hkv, d, generator=gen), torch.rand(layers, hkv, d, generator=gen) + 0.5
+        )
     rows = torch.arange(len(lens), dtype=torch.int32)
     plens = torch.tensor(lens, dtype=torch.int32)
     # centre the final bias on the median logit margin so decisions are mixed, not all one way
@@ -63,6 +67,25 @@ def test_route_matches_reference(num_chunks):
     table = torch.full((8, 3, 4), 9, dtype=torch.int8)
     slots = torch.tensor([6, 0, 3, 1, 7, 2], dtype=torch.int32)
     check(batch, spec, router, rows, plens, 1, slots, table, num_chunks=num_chunks)
+
+
+@pytest.mark.parametrize("pool", [100, 300], ids=["fused-pool", "pooling-launch"])
+def test_route_with_input_norm_matches_reference(pool):
+    """The router's per-(layer, KV head) input standardization is applied in the kernel (rotary
+    halves and the unrotated tail) exactly as ElasticRouter applies it."""
+    lens = [1, 150, 450, 700]
+    batch, spec, router, rows, plens = make_case(lens, pool=pool, norm=True, seed=3)
+    table = torch.full((4, 3, 4), 9, dtype=torch.int8)
+    slots = torch.arange(4, dtype=torch.int32)
+    check(batch, spec, router, rows, plens, 2, slots, table, pool=pool, norm=pack_router_norm(router))
+    # without the norm the kernel would compute other logits: the test can fail
+    plain = torch.empty(4, 4, 2)
+    route(
+        batch.key_cache, batch.block_table, rows, plens, slots, pack_router_weights(router), 2, table.clone(),
+        inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, pool_tokens=pool, logits_out=plain,
+    )  # fmt: skip
+    want = route_logits_ref(batch.key_cache, batch.block_table, rows, plens, router, 2, spec, pool_tokens=pool)
+    assert (plain - want).abs().max() > 1e-3
 
 
 def test_route_long_boundary_pool_uses_the_pooling_launch():
