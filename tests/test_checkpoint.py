@@ -177,3 +177,44 @@ def test_huge_metadata_shape_fails_cleanly(tmp_path):
     (tmp_path / "router.json").write_text(json.dumps(m))
     with pytest.raises(RouterCheckpointError, match="expected"):
         load_router(tmp_path)
+
+
+def test_input_norm_round_trip_and_effect(tmp_path):
+    """The router's per-(layer, KV head) input standardization is saved, loaded and applied."""
+    torch.manual_seed(0)
+    r = ElasticRouter(3, 16)
+    shift, scale = torch.randn(3, 2, 16) * 5, torch.rand(3, 2, 16) + 0.5
+    r.set_input_norm(shift, scale)
+    save_router(r, tmp_path / "ck", _meta())
+    ck = load_router(tmp_path / "ck", expect=BackboneShape(num_layers=3, num_kv_heads=2, head_dim=16))
+    x = torch.randn(4, 2, 16)
+    want = r.layers[1]((x - shift[1]) * scale[1])
+    torch.testing.assert_close(ck.router(1, x), want)
+    assert not torch.allclose(ck.router(1, x), r.layers[1](x))  # the norm changes the logits
+    with pytest.raises(ValueError, match="KV heads"):
+        ck.router(1, torch.randn(4, 3, 16))
+
+
+@pytest.mark.parametrize("case", ["one-tensor", "bad-shape", "non-positive-scale"])
+def test_input_norm_errors(tmp_path, case):
+    from safetensors.torch import load_file
+
+    r = ElasticRouter(3, 16)
+    r.set_input_norm(torch.zeros(3, 2, 16), torch.ones(3, 2, 16))
+    save_router(r, tmp_path, _meta())
+    t = load_file(str(tmp_path / "router.safetensors"))
+    if case == "one-tensor":
+        del t["input_scale"]
+        match = "missing"
+    elif case == "bad-shape":
+        t["input_shift"] = torch.zeros(3, 4, 16)
+        match = "input_shift has shape"
+    else:
+        t["input_scale"][0, 0, 0] = 0.0
+        match = "input_scale has values <= 0"
+    save_file(t, str(tmp_path / "router.safetensors"), metadata={"format": "elastic-vllm-router"})
+    meta = json.loads((tmp_path / "router.json").read_text())
+    meta["sha256"] = ""
+    (tmp_path / "router.json").write_text(json.dumps(meta))
+    with pytest.raises(RouterCheckpointError, match=match):
+        load_router(tmp_path)

@@ -182,6 +182,42 @@ def results_rows() -> list[str]:
         f"{m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA "
         f"| {_link('benchmarks/results/dev/router-train-1-h200/measure.md')} |"
     )
+    e = json.loads((RESULTS / "e2e-vllm-h200.json").read_text())
+    tt = {(r["len"], r["share"]): r for r in e["summary"]["ttft_speedup"] if r["budget_tokens"] == 16384}
+    dc = {(r["ctx"], r["batch"], r["decode_mode"]): r for r in e["summary"]["decode_speedup"]}
+    rows.append(
+        f"| `vllm` engine end to end, elastic vs FLASH_ATTN (Llama-3.1-8B shape, dummy weights) | {e['env']['gpu']}, "
+        f"vLLM {e['env']['vllm']} | TTFT at Omega_MSR 0.75: 128K {tt[(131072, 0.75)]['speedup']:.2f}x "
+        f"({tt[(131072, 0.75)]['median_s']:.2f} s vs {tt[(131072, 0.75)]['flash_attn_s']:.2f} s), 32K "
+        f"{tt[(32768, 0.75)]['speedup']:.2f}x, 8K {tt[(8192, 0.75)]['speedup']:.2f}x; decode sparse 128K x 4 "
+        f"{dc[(131072, 4, 'sparse')]['speedup']:.2f}x, 32K x 16 {dc[(32768, 16, 'sparse')]['speedup']:.2f}x; "
+        f"dense 128K x 4 {dc[(131072, 4, 'dense')]['speedup']:.2f}x, 32K x 16 {dc[(32768, 16, 'dense')]['speedup']:.2f}x "
+        f"| {_link('benchmarks/results/e2e-vllm-h200.json')} |"
+    )
+    rd = RESULTS / "router-train-smollm2-h200"
+    m = json.loads((rd / "measure.json").read_text())
+    t = json.loads((rd / "summary.json").read_text())
+    cat = m["omega"]["omega_msr_by_category"]
+    rows.append(
+        f"| Shipped SmolLM2 router (router_weights/smollm2-135m-instruct) | {m['device']} | {t['steps']} steps "
+        f"in {t['wall_s']:.0f} s: Omega_MSR robust {cat['robust']:.3f} / sensitive {cat['sensitive']:.3f} on "
+        f"held-out prompts; needle 2K-6K {m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} "
+        f"all-FA (the 2-point target is not met) | {_link('benchmarks/results/router-train-smollm2-h200/measure.md')} |"
+    )
+    v = json.loads((RESULTS / "dev" / "check-vllm-2-h200.json").read_text())
+    rows.append(
+        f"| dev: second vLLM check on the GPU | {v['env']['gpu']}, vLLM {v['env']['vllm']} | "
+        + "; ".join(f"{r['name']} {'pass' if r['ok'] else 'FAIL'}" for r in v["results"])
+        + " (the other checks did not run: GPU memory taken by two trainers beside them) "
+        f"| {_link('benchmarks/results/dev/check-vllm-2-h200.json')} |"
+    )
+    a = json.loads((RESULTS / "dev" / "accuracy-2-h200" / "results.json").read_text())
+    rows.append(
+        "| dev: RULER + robust tasks, elastic vs dense (SmolLM2, a router without task separation) | "
+        f"{a['provenance']['gpu']} | "
+        + "; ".join(f"{t['measured']} ({'met' if t['met'] else 'not met'})" for t in a["targets"])
+        + f" | {_link('benchmarks/results/dev/accuracy-2-h200/results.md')} |"
+    )
     return rows
 
 
