@@ -73,11 +73,15 @@ def run_demo(
             before = metric_value(srv.metrics(), "elastic:request_omega_msr_sum")
             n_before = metric_value(srv.metrics(), "elastic:request_omega_msr_count")
             t = time.perf_counter()
-            out = client.chat.completions.create(
-                model="smollm2", messages=messages, max_tokens=max_tokens, temperature=0
-            )
+            if isinstance(messages, str):  # already chat-templated text (the needle): /v1/completions
+                out = client.completions.create(model="smollm2", prompt=messages, max_tokens=max_tokens, temperature=0)
+                text = out.choices[0].text or ""
+            else:
+                out = client.chat.completions.create(
+                    model="smollm2", messages=messages, max_tokens=max_tokens, temperature=0
+                )
+                text = out.choices[0].message.content or ""
             secs = time.perf_counter() - t
-            text = out.choices[0].message.content or ""
             m = srv.metrics()
             recorded = metric_value(m, "elastic:request_omega_msr_count") - n_before
             msr = metric_value(m, "elastic:request_omega_msr_sum") - before
