@@ -4,8 +4,8 @@ decode too).
 
 With the router that keeps the retrieval heads FA the needle is found; with every head SA it is not,
 already at 1.2K tokens (the needle sits ~600 tokens back, past the 512-token window: the sparse path
-really runs). ``trained_router`` is the router constructed from the measured
-retrieval heads until the trained SmolLM2 router is committed to router_weights/.
+really runs). ``retrieval_router`` is constructed from the measured retrieval heads (known decisions);
+the shipped trained router's needle accuracy is measured by scripts/measure_trained_router.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from elastic_vllm.eval.needle import make_needle_prompt
 from elastic_vllm.vllm_plugin import observe
 
-from .conftest import SHIPPED_SMOLLM2_ROUTER, close_llm, make_llm
+from .conftest import close_llm, make_llm
 from .helpers import event_of, greedy
 from .routers import SMOLLM2_RETRIEVAL_HEADS
 
@@ -24,11 +24,11 @@ pytestmark = pytest.mark.slow
 CFG = {"sink": 128, "window": 512, "decode_mode": "sparse"}
 
 
-def test_needle_2k_router_keeps_retrieval_heads(demo_model_dir, trained_router):
+def test_needle_2k_router_keeps_retrieval_heads(demo_model_dir, retrieval_router):
     llm = make_llm(
         demo_model_dir,
         attention_backend="elastic",
-        additional_config={"elastic": {**CFG, "router_path": str(trained_router)}},
+        additional_config={"elastic": {**CFG, "router_path": str(retrieval_router)}},
         enable_prefix_caching=False,  # each request computes its own prefill with its own routing
         enable_chunked_prefill=False,
         max_num_batched_tokens=4096,
@@ -47,7 +47,6 @@ def test_needle_2k_router_keeps_retrieval_heads(demo_model_dir, trained_router):
     assert short.answer not in all_sa.outputs[0].text, all_sa.outputs[0].text
     e = event_of(auto.request_id)
     assert 0.0 < e.omega_msr < 1.0 and 0.0 < e.omega_esr < e.omega_msr
-    if not (SHIPPED_SMOLLM2_ROUTER / "router.json").is_file():  # the constructed router: known decisions
-        assert {tuple(x) for x in e.decisions.nonzero().tolist()} == set(SMOLLM2_RETRIEVAL_HEADS)
+    assert {tuple(x) for x in e.decisions.nonzero().tolist()} == set(SMOLLM2_RETRIEVAL_HEADS)
     assert event_of(all_sa.request_id).omega_msr == 1.0
     assert observe.COUNTERS.final_routings >= 2
