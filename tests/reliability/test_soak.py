@@ -162,6 +162,7 @@ def test_soak(server, tmp_path):
         "cancel_every": CANCEL_EVERY,
         "max_model_len": MAX_MODEL_LEN,
         "machine": f"{os.cpu_count()} CPUs",
+        "env": _env(),
     }
     out = Path(os.environ.get("ELASTIC_SOAK_OUT") or tmp_path / "soak-cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,3 +194,26 @@ def test_server_log_is_clean(server):
     assert not bad, "\n".join(bad[:40])
     assert metric_value(server.metrics(), "elastic:attention_forward_calls_total") > 0  # the elastic path ran
     assert server.serve.proc.poll() is None
+
+
+def _env() -> dict:
+    """Versions and commit for the result file."""
+    import platform
+    import subprocess
+    from importlib.metadata import version
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout)
+    except OSError:  # no git on this machine: the file says so
+        git, dirty = "", None
+    return {
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "vllm": version("vllm"),
+        "git_commit": git or None,
+        "git_dirty": dirty,
+        "command": "ELASTIC_SOAK_N=300 ELASTIC_SOAK_OUT=benchmarks/results/soak-cpu.json "
+        "python3 -m pytest tests/reliability/test_soak.py -s",
+    }
