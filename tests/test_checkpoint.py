@@ -218,3 +218,17 @@ def test_input_norm_errors(tmp_path, case):
     (tmp_path / "router.json").write_text(json.dumps(meta))
     with pytest.raises(RouterCheckpointError, match=match):
         load_router(tmp_path)
+
+
+def test_half_precision_storage_keeps_norm_in_float32(tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    r = ElasticRouter(3, 16)
+    r.set_input_norm(torch.randn(3, 2, 16) * 10, torch.rand(3, 2, 16) + 0.5)
+    save_router(r, tmp_path, _meta(), weights_dtype=torch.float16)
+    t = load_file(str(tmp_path / "router.safetensors"))
+    assert t["input_shift"].dtype == torch.float32 and t["layers.0.cls_feat_extractor.0.weight"].dtype == torch.float16
+    ck = load_router(tmp_path)
+    x = torch.randn(4, 2, 16) * 10
+    torch.testing.assert_close(ck.router(1, x), r(1, x), atol=5e-2, rtol=1e-2)

@@ -113,8 +113,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_router(router: ElasticRouter, path: str | Path, meta: RouterMeta) -> Path:
-    """Write ``router`` to folder ``path`` (created). Returns the folder."""
+def save_router(
+    router: ElasticRouter, path: str | Path, meta: RouterMeta, weights_dtype: torch.dtype = torch.float32
+) -> Path:
+    """Write ``router`` to folder ``path`` (created). Returns the folder.
+
+    ``weights_dtype=torch.float16`` stores the MLP weights in half precision (half the file; the
+    loader computes in float32 either way); the input standardization always stays float32."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     if meta.shape != BackboneShape(
@@ -126,7 +131,10 @@ def save_router(router: ElasticRouter, path: str | Path, meta: RouterMeta) -> Pa
             f"metadata shape ({meta.shape.describe()}) does not match the router "
             f"(layers={router.num_layers}, head_dim={router.head_dim})"
         )
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in router.state_dict().items()}
+    tensors = {
+        k: v.detach().to("cpu", torch.float32 if k in NORM_KEYS else weights_dtype).contiguous()
+        for k, v in router.state_dict().items()
+    }
     wpath = out / WEIGHTS_FILE
     save_file(tensors, str(wpath), metadata={"format": FORMAT})
     spec = meta.router.model_copy(update={"hidden_mult": router.hidden_mult})
