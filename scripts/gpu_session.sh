@@ -8,11 +8,19 @@
 #   bash scripts/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7)
 #   bash scripts/gpu_session.sh eval        # benchmarks/accuracy.py (P6) with the router trained in check_train
 #   bash scripts/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2)
+# Two-GPU machine (nvidia-h200-x2), trainers in the background while vLLM is staged and checked:
+#   train_only (carry .gpu-gguf/a .gpu-carry .whl), then `train_bg` (carry .gpu-gguf/b .whl): recipes
+#   VARIANT_A / VARIANT_B start detached on GPU $TRAIN_GPU from a copy of the tree (/tmp/tree-train);
+#   stage 1..4 + unpack; check (CHECKS on GPU 0); collect_train (waits, tars, picks /tmp/router);
+#   fsdp (torchrun over both GPUs with VARIANT_A's recipe and step count, compared with run A) + tp
+#   (tests/gpu/check_tp.py); eval_bg (accuracy on GPU 1, detached) + e2e; collect_eval.
 # Results go to $OUT; GIT_COMMIT must be set by the caller (the device gets the tree without .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 ELASTIC_VLLM_CACHE=/tmp/evc
+# the lent multi-GPU machines' policy: NVLink multicast stays off
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD
 GGUF=/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf
 OUT=${OUT:-/tmp/out}
@@ -36,6 +44,66 @@ case "$step" in
     if [ "${2:-}" != run ]; then ls -la /tmp/gg; exit 0; fi
     mkdir -p /tmp/stage/extra && cat /tmp/gg/gg.00 /tmp/gg/gg.01 > "$GGUF"
     PYTHONPATH=$PWD MEASURE=1 bash scripts/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data "$OUT" ;;
+  train_bg)
+    # the GGUF's second half arrives now; both recipes start detached (they outlive this call) on one GPU
+    mkdir -p /tmp/gg && cp .gpu-gguf/*/gg.* /tmp/gg/
+    mkdir -p /tmp/stage/extra && cat /tmp/gg/gg.00 /tmp/gg/gg.01 > "$GGUF"
+    rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts .whl pyproject.toml /tmp/tree-train/
+    for v in ${VARIANTS:-A B}; do
+      eval "vars=\${VARIANT_$v:-}"
+      rm -rf /tmp/train$v /tmp/work$v
+      (cd /tmp/tree-train && CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-1} setsid nohup env $vars MEASURE=1 WORK=/tmp/work$v \
+        bash -c "bash scripts/gpu_train_smollm2.sh $GGUF /tmp/gpucarry/router-data /tmp/train$v; echo train rc=\$? > /tmp/train$v.rc" \
+        > /tmp/train$v.log 2>&1 < /dev/null &)
+      echo "started $v: $vars"
+    done
+    sleep 20; tail -n 5 /tmp/train*.log; nvidia-smi --query-gpu=index,memory.used --format=csv,noheader ;;
+  bg_status)
+    for f in /tmp/train*.log /tmp/eval.log; do [ -f "$f" ] && { echo "== $f"; tail -n 4 "$f"; }; done
+    ls /tmp/*.rc 2>/dev/null; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader ;;
+  check)
+    M=$(demo)
+    CUDA_VISIBLE_DEVICES=${CHECK_GPU:-0} timeout ${CHECK_TIMEOUT:-480} python3 tests/gpu/check_vllm.py --model "$M" \
+      --out "$OUT/check_vllm.json" --checks ${CHECKS:-all_fa,graphs,needle,batch,long} 2>&1 \
+      | grep -vE "^(INFO|DEBUG|\(EngineCore)" | tail -40 || true
+    bash "$0" bg_status ;;
+  collect_train)
+    # wait for the detached trainers (at most WAIT_S), bring back their files, pick the router
+    for _ in $(seq 1 $(( ${WAIT_S:-300} / 5 ))); do
+      done_all=1; for v in ${VARIANTS:-A B}; do [ -f /tmp/train$v.rc ] || done_all=0; done
+      [ $done_all = 1 ] && break; sleep 5
+    done
+    for v in ${VARIANTS:-A B}; do
+      cat /tmp/train$v.rc 2>/dev/null || echo "train $v: still running"; cp /tmp/train$v.log "$OUT/" || true
+      tar -C /tmp -czf "$OUT/train$v.tgz" train$v || true; tail -n 14 /tmp/train$v.log
+    done
+    rm -rf /tmp/router; python3 scripts/pick_router.py /tmp/router $(for v in ${VARIANTS:-A B}; do echo /tmp/train$v; done) | tee "$OUT/pick.txt" ;;
+  fsdp)
+    # P10: the same recipe as run A (same seed, same steps) under torchrun with FSDP over both GPUs
+    steps=$(python3 -c "import json; print(json.load(open('/tmp/trainA/summary.json'))['steps'])")
+    rm -rf /tmp/fsdp /tmp/work-fsdp
+    env ${VARIANT_A:-} STEPS=$steps TIME_BUDGET_S=${FSDP_BUDGET_S:-400} WORK=/tmp/work-fsdp \
+      LAUNCH="torchrun --standalone --nproc_per_node 2" bash scripts/gpu_train_smollm2.sh "$GGUF" \
+      /tmp/gpucarry/router-data /tmp/fsdp > "$OUT/fsdp.log" 2>&1 || echo "fsdp rc=$?" | tee -a "$OUT/fsdp.log"
+    tail -n 16 "$OUT/fsdp.log"
+    python3 scripts/compare_train_runs.py /tmp/trainA /tmp/fsdp --out /tmp/fsdp/compare.json --world-run 2 \
+      ${REF_SHARED:+--ref-shared} || true
+    tar -C /tmp -czf "$OUT/fsdp.tgz" fsdp ;;
+  tp)
+    M=$(demo)
+    timeout ${TP_TIMEOUT:-360} python3 tests/gpu/check_tp.py --model "$M" --out "$OUT/check_tp.json" 2>&1 \
+      | grep -vE "^(INFO|DEBUG|\(EngineCore|\(Worker)" | tail -40 || true ;;
+  eval_bg)
+    M=$(demo)
+    rm -rf /tmp/acc /tmp/eval.rc
+    (CUDA_VISIBLE_DEVICES=${EVAL_GPU:-1} setsid nohup bash -c "python3 benchmarks/accuracy.py --model $M --router /tmp/router \
+      --lengths 4096 8192 --samples ${SAMPLES:-20} --out /tmp/acc --device cuda --time-budget ${BUDGET:-300}; \
+      echo eval rc=\$? > /tmp/eval.rc" > /tmp/eval.log 2>&1 < /dev/null &)
+    echo "eval started" ;;
+  collect_eval)
+    for _ in $(seq 1 $(( ${WAIT_S:-300} / 5 ))); do [ -f /tmp/eval.rc ] && break; sleep 5; done
+    cat /tmp/eval.rc 2>/dev/null || echo "eval: still running"; tail -n 30 /tmp/eval.log; cp /tmp/eval.log "$OUT/"
+    tar -C /tmp -czf "$OUT/accuracy.tgz" acc ;;
   check_train)
     # two training recipes side by side (VARIANT_A / VARIANT_B: environment for gpu_train_smollm2.sh), both
     # measured; the better router (scripts/pick_router.py) goes to /tmp/router for the eval and e2e steps.
@@ -55,7 +123,9 @@ case "$step" in
   e2e)
     M=$(demo)
     R=""; [ -d /tmp/router ] && R="--demo-router /tmp/router"
-    python3 benchmarks/e2e_vllm.py --out "$OUT/e2e.json" --demo-model "$M" $R --budget ${BUDGET:-400} 2>&1 | tail -40 ;;
+    CUDA_VISIBLE_DEVICES=${E2E_GPU:-0} python3 benchmarks/e2e_vllm.py --out "$OUT/e2e.json" --demo-model "$M" $R \
+      --budget ${BUDGET:-400} ${E2E_JOBS:+--jobs $E2E_JOBS} ${E2E_KINDS:+--kinds $E2E_KINDS} 2>&1 | tail -40
+    tar -C "$OUT" -czf "$OUT/e2e_logs.tgz" e2e_logs 2>/dev/null && rm -rf "$OUT/e2e_logs" || true ;;
   eval)
     M=$(demo)
     python3 benchmarks/accuracy.py --model "$M" --router /tmp/router --lengths 4096 8192 --samples ${SAMPLES:-20} \

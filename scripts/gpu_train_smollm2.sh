@@ -15,7 +15,8 @@
 # load + tokenizing ~15 s, the rest training; it stops early as a last resort, still writing the router),
 # MAX_TOKENS (4096: longer samples are skipped), MICROBATCH_TOKENS (32768 padded tokens per forward),
 # ROUTER_LR (2e-3), LAMBDA_LR (0.05), WARMUP (0.05), TARGET_ROBUST (1.0), TARGET_SENSITIVE (0.3),
-# MEASURE (0), NEEDLE_PER_LENGTH (10), NEEDLE_LENGTHS (2048,...,6144), WORK (/tmp/elastic-router-train).
+# MEASURE (0), NEEDLE_PER_LENGTH (10), NEEDLE_LENGTHS (2048,...,6144), WORK (/tmp/elastic-router-train),
+# LAUNCH (python3; e.g. "torchrun --standalone --nproc_per_node 2": FSDP over the GPUs, BATCH split over them).
 # The defaults are the SHORT-RUN recipe (a few hundred steps in ~150 s; README.md "Short runs"): a
 # higher router LR than the paper's 5e-4, multipliers that bite within ~100 steps (lambda LR 0.05, not
 # 1e-3), 5% warmup, sequences <= 4K tokens (the router reads boundary keys; SA still costs LM loss at
@@ -62,7 +63,7 @@ mkdir -p "$WORK" "$OUT"
 # SmolLM2 at <= 8K: sink 128 + window 512 (MODELS_AND_DATA.md: W >= 512 at 4K-8K); the backbone has
 # memory to spare on an H200, so no activation checkpointing (one recompute pass less)
 set -o pipefail
-python3 -m elastic_vllm.cli train-router \
+${LAUNCH:-python3} -m elastic_vllm.cli train-router \
   --model "$MODEL" --data "$DATA/train.jsonl.gz" --out "$WORK" \
   --sink 128 --window 512 --steps "$STEPS" --batch-size "$BATCH" --max-tokens "$MAX_TOKENS" \
   --microbatch-tokens "$MICROBATCH_TOKENS" --router-lr "$ROUTER_LR" --lambda-lr "$LAMBDA_LR" --warmup "$WARMUP" \

@@ -88,8 +88,21 @@ def test_decode_padded_rows_and_loose_max_seq_len():
     assert_close(out[[0, 2]], want[[0, 2]], "padded")
 
 
-def test_decode_sparse_reads_fewer_splits():
-    # at max_seq_len 4096 with fixed-size splits, an SSA head with sink+window < one split uses one split
+def test_decode_balanced_splits_under_a_loose_bound():
+    """Graphs captured for a long max_seq_len: each (request, head) spreads the tiles it reads over all
+    splits (>= min tiles each), so short requests and SSA heads use several short splits, and splits
+    past a head's last tile exit; the merge must give the reference for every layout."""
+    gen = torch.Generator().manual_seed(11)
+    batch = make_paged_batch([700, 33, 260, 5], [1] * 4, 8, 4, 16, block_size=16, generator=gen)
+    hm = random_modes(4, 4, (FA, SSA), gen)
+    want = ref(batch, hm, 8, 100)
+    for ns in (5, 16, 64):
+        out = run(batch, hm, 8, 100, max_seq_len=8192, num_splits=ns, block_n=16)
+        assert_close(out, want, f"num_splits={ns}")
+
+
+def test_decode_num_splits_fills_the_gpu():
+    # many splits for one long request, one split when the batch alone fills the SMs
     assert decode_num_splits(1, 8, 131072, 64, torch.device("cpu")) > 1
     assert decode_num_splits(64, 8, 1024, 64, torch.device("cpu")) == 1
 
