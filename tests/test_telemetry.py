@@ -38,6 +38,17 @@ def test_nonzero_rank_records_counters_not_request_histograms():
     assert _val("elastic:head_decisions_total", model_name="tp", layer="0", decision="FA", tp_rank="1") >= 2
 
 
+def test_replica_rank_does_not_count_heads_again():
+    """tp_size > num_kv_heads: a rank replicating heads another rank counts records its latency only."""
+    labels = dict(model_name="rep", layer="0", decision="SA", tp_rank="1")
+    before = _val("elastic:head_decisions_total", **labels)
+    rec = RoutingRecord("r", "rep", torch.zeros(1, 2, dtype=torch.bool), 1.0, 0.5, 10, 1e-4, tp_rank=1)
+    rec.count_heads = False
+    record_routing(rec)
+    assert _val("elastic:head_decisions_total", **labels) == before
+    assert _val("elastic:router_latency_seconds_count", model_name="rep", tp_rank="1") >= 1
+
+
 def test_multiproc_dir_is_fresh_and_stale_ones_go(tmp_path):
     stale = tmp_path / f"{PREFIX}999999999"
     stale.mkdir()

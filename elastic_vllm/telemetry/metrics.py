@@ -11,6 +11,9 @@
 
 - Omega_MSR: share of KV heads (all layers, all TP ranks) routed to SA; Omega_ESR: mean pruned share
   of the causal (query, key) pairs at the request's prompt length (``elastic_vllm.sparsity``).
+- With tensor parallelism each rank routes its own KV heads: the per-request Omegas are exchanged
+  over the TP group so that they cover every KV head once; ``head_decisions_total`` is counted by
+  the rank holding each head (by the first of its replicas when tp_size > num_kv_heads).
 - ``head_decisions_total{decision="FA"|"SA"}`` counts every (layer, KV head) decision once, so
   ``sum(rate(..{decision="SA"}[5m])) / sum(rate(..[5m]))`` is the fleet-wide sparsity and
   ``sum by (layer)`` the per-layer SA share.
@@ -48,6 +51,7 @@ class RoutingRecord:
     router_latency_s: float
     override: str = "auto"
     tp_rank: int = 0
+    count_heads: bool = True  # False on a rank replicating KV heads that another rank counts
 
 
 class _Metrics:
@@ -108,18 +112,21 @@ def multiprocess_enabled() -> bool:
 
 
 def record_routing(rec: RoutingRecord) -> None:
-    """Record one request's final routing. Call exactly once per request (rank 0 records the
-    per-request histograms when the decisions cover all heads)."""
+    """Record one request's final routing. Call exactly once per request and TP rank: every rank
+    counts its own KV heads in head_decisions (but a replica of heads another rank counts:
+    ``count_heads`` False); rank 0 records the per-request metrics, whose Omegas must then cover
+    every KV head of the model (``state.global_omegas``)."""
     m = metrics()
     rank = str(rec.tp_rank)
-    dec = rec.decisions.bool().cpu()
-    fa_per_layer = dec.sum(dim=1).tolist()
-    heads = dec.shape[1]
-    for layer, n_fa in enumerate(fa_per_layer):
-        if n_fa:
-            m.decisions.labels(rec.model_name, str(layer), "FA", rank).inc(n_fa)
-        if heads - n_fa:
-            m.decisions.labels(rec.model_name, str(layer), "SA", rank).inc(heads - n_fa)
+    if rec.count_heads:
+        dec = rec.decisions.bool().cpu()
+        fa_per_layer = dec.sum(dim=1).tolist()
+        heads = dec.shape[1]
+        for layer, n_fa in enumerate(fa_per_layer):
+            if n_fa:
+                m.decisions.labels(rec.model_name, str(layer), "FA", rank).inc(n_fa)
+            if heads - n_fa:
+                m.decisions.labels(rec.model_name, str(layer), "SA", rank).inc(heads - n_fa)
     m.latency.labels(rec.model_name, rank).observe(rec.router_latency_s)
     if rec.tp_rank == 0:
         m.msr.labels(rec.model_name).observe(rec.omega_msr)

@@ -212,6 +212,19 @@ def tp_rank_and_size() -> tuple[int, int]:
         return 0, 1
 
 
+def tp_all_gather_object(obj: Any) -> list[Any]:
+    """``obj`` of every rank of vLLM's tensor-parallel group, indexed by TP rank (a host-only
+    collective on the group's gloo ``cpu_group``: no device sync, never inside a CUDA graph). Every
+    TP rank must call it, in the same order. Same API in 0.26 and 0.32/0.33."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    out: list[Any] = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
 def extract_layer_index(layer_name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index as f
 
@@ -270,7 +283,7 @@ class RunnerObserver:
 
     def on_step_begin(self, scheduler_output: Any) -> None: ...
     def on_rows(self, req_ids: list[str | None]) -> None: ...
-    def on_step_end(self) -> None: ...
+    def on_step_end(self, failed: bool = False) -> None: ...
     def needs_eager_attention(self) -> bool:
         return False
 
@@ -316,10 +329,14 @@ def _wrap_execute_model(original: Callable) -> Callable:
         obs.on_step_begin(scheduler_output)
         _current.obs = obs
         try:
-            return original(self, scheduler_output, *args, **kwargs)
-        finally:
+            out = original(self, scheduler_output, *args, **kwargs)
+        except BaseException:
             _current.obs = None
-            obs.on_step_end()
+            obs.on_step_end(failed=True)
+            raise
+        _current.obs = None
+        obs.on_step_end()
+        return out
 
     return execute_model
 

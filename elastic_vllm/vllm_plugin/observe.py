@@ -27,7 +27,8 @@ REGISTRY_SIZE = 4096
 
 @dataclass(frozen=True)
 class RoutingEvent:
-    """The final routing of one request on one TP rank (host tensors)."""
+    """The final routing of one request on one TP rank (host tensors). ``decisions`` .. ``omega_esr``
+    cover this rank's KV heads; ``omega_*_all`` every KV head of the model (what the metrics record)."""
 
     req_id: str
     model_name: str
@@ -39,10 +40,13 @@ class RoutingEvent:
     prompt_len: int
     omega_msr: float
     omega_esr: float
+    omega_msr_all: float  # over every KV head of the model, each once (TP ranks exchange head counts)
+    omega_esr_all: float
     router_latency_s: float
     override: str  # the request's own elastic_force ("auto" when absent)
     force: str  # what it ran with: its override, or the server's force
     pooled: torch.Tensor | None = None  # float32 [L, Hkv_local, D] when ELASTIC_VLLM_RECORD_POOLED=1
+    counts_heads: bool = True  # False on a rank replicating KV heads another rank counts in the metrics
 
 
 @dataclass
@@ -79,12 +83,13 @@ def on_routing_final(event: RoutingEvent) -> None:
                 req_id=event.req_id,
                 model_name=event.model_name,
                 decisions=event.decisions,
-                omega_msr=event.omega_msr,
-                omega_esr=event.omega_esr,
+                omega_msr=event.omega_msr_all,
+                omega_esr=event.omega_esr_all,
                 prompt_len=event.prompt_len,
                 router_latency_s=event.router_latency_s,
                 override=event.force,
                 tp_rank=event.tp_rank,
+                count_heads=event.counts_heads,
             )
         )
     except Exception:  # metrics must never take the engine down
@@ -106,7 +111,11 @@ def rpc_events(_worker=None) -> list[dict]:
             "kv_heads": list(e.kv_heads),
             "decisions": e.decisions.tolist(),
             "logits": e.logits.tolist(),
-            "omega_msr": e.omega_msr,
+            "omega_msr": e.omega_msr,  # this rank's heads
+            "omega_esr": e.omega_esr,
+            "omega_msr_all": e.omega_msr_all,  # every head of the model, once (what /metrics records)
+            "omega_esr_all": e.omega_esr_all,
+            "counts_heads": e.counts_heads,
             "prompt_len": e.prompt_len,
         }
         for e in events()

@@ -86,6 +86,41 @@ def global_kv_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> list[int
     return [shard * num_local + j for j in range(num_local)]
 
 
+def is_first_replica(tp_rank: int, tp_size: int, total_kv_heads: int) -> bool:
+    """True on the first of the ranks holding the same KV heads (every rank when none is replicated):
+    the rank that counts those heads in per-head metrics."""
+    return tp_rank % max(1, tp_size // total_kv_heads) == 0
+
+
+@dataclass(frozen=True)
+class HeadCounts:
+    """One request's final routing on one TP rank, reduced to what the Omegas over all ranks need."""
+
+    kv_heads: tuple[int, ...]  # global KV heads of the rank (replicas hold the same tuple)
+    heads: int  # (layer, KV head) pairs: num_layers * len(kv_heads)
+    fa: int  # of them routed to FA
+    esr_sum: float  # sum over them of the pruned share of causal pairs (Omega_ESR * heads)
+
+
+def global_omegas(per_rank: list[dict[str, HeadCounts]]) -> dict[str, tuple[float, float]]:
+    """(Omega_MSR, Omega_ESR) of each request over every global KV head counted once, from the
+    HeadCounts each TP rank reported (``per_rank[r]``: req_id -> counts of rank r). Ranks that hold
+    the same KV heads (replicas, tp_size > num_kv_heads) count once: the first one reporting them."""
+    out: dict[str, tuple[float, float]] = {}
+    for rid in dict.fromkeys(rid for counts in per_rank for rid in counts):
+        seen: set[tuple[int, ...]] = set()
+        heads = fa = 0
+        esr = 0.0
+        for counts in per_rank:
+            c = counts.get(rid)
+            if c is None or c.kv_heads in seen:
+                continue
+            seen.add(c.kv_heads)
+            heads, fa, esr = heads + c.heads, fa + c.fa, esr + c.esr_sum
+        out[rid] = ((heads - fa) / heads, esr / heads)
+    return out
+
+
 def router_search_dirs() -> list[Path]:
     """Where shipped routers are looked for: $ELASTIC_VLLM_ROUTER_WEIGHTS, the repository's
     router_weights/ (editable install), ./router_weights."""
@@ -221,6 +256,7 @@ class EngineState(compat.RunnerObserver):
         self.kv_heads = tuple(global_kv_heads(self.tp_rank, self.tp_size, self.shape.num_kv_heads))
         if len(self.kv_heads) != self.num_kv_heads:
             raise RuntimeError(f"elastic: rank holds {self.num_kv_heads} KV heads, expected {len(self.kv_heads)}")
+        self.first_replica = is_first_replica(self.tp_rank, self.tp_size, self.shape.num_kv_heads)
         self.device = torch.device(vllm_config.device_config.device)
         self.ops = resolve_ops(ops_requested, self.device)
         if self.ops == "triton":
@@ -356,9 +392,15 @@ class EngineState(compat.RunnerObserver):
     def on_rows(self, req_ids: list[str | None]) -> None:
         self.rows = req_ids
 
-    def on_step_end(self) -> None:
+    def on_step_end(self, failed: bool = False) -> None:
         try:
-            self.flush()
+            if failed and self.tp_size > 1:
+                # the engine is going down; a rank that failed before its forward must not wait in the
+                # TP gather of flush() for ranks that never reach it
+                for st in self.requests.values():
+                    st.pending = False
+            else:
+                self.flush()
             observe.publish_counters()
         finally:
             self.in_step = False
@@ -526,7 +568,15 @@ class EngineState(compat.RunnerObserver):
 
     # --- recording ------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Record the requests whose routing became final in this step (once per request)."""
+        """Record the requests whose routing became final in this step (once per request).
+
+        With tensor parallelism every rank routes its own KV heads; the Omegas recorded for a request
+        cover all of them: the ranks exchange per-request head counts (:func:`global_omegas`) over
+        vLLM's TP group. Every rank gets the same SchedulerOutput, so routings become final on the same
+        step on every rank and every rank reaches this gather with the same requests; it runs after the
+        step's forward (never inside CUDA-graph capture: dummy runs have no observer step), on the host
+        group (gloo), after the device-to-host copy below that the recording needs anyway.
+        """
         pending = [st for st in list(self.requests.values()) if st.pending]
         if not pending:
             return
@@ -536,6 +586,7 @@ class EngineState(compat.RunnerObserver):
         modes = self.table_modes.index_select(0, slots).cpu()
         logits = self.table_logits.index_select(0, slots).cpu()
         pooled = self.table_pooled.index_select(0, slots).cpu() if self.table_pooled is not None else None
+        fresh: list[tuple[int, RequestState, float]] = []  # (index, state, local Omega_ESR)
         for i, st in enumerate(pending):
             st.pending = False
             st.router_time = latency
@@ -549,6 +600,19 @@ class EngineState(compat.RunnerObserver):
                 continue
             st.recorded = True
             st.first_decisions = fa[i]
+            fresh.append((i, st, self._esr(st, modes[i])))
+            st.xa_rows.clear()
+        if not fresh:
+            return
+        omegas = self._global_omegas(
+            {
+                st.req_id: HeadCounts(self.kv_heads, fa[i].numel(), int(fa[i].sum()), esr * fa[i].numel())
+                for i, st, esr in fresh
+            }
+        )
+        for i, st, esr in fresh:
+            msr = omega_msr(fa[i])
+            all_msr, all_esr = omegas.get(st.req_id, (msr, esr))
             event = observe.RoutingEvent(
                 req_id=st.req_id,
                 model_name=self.model_name,
@@ -558,15 +622,27 @@ class EngineState(compat.RunnerObserver):
                 head_modes=modes[i],
                 logits=logits[i],
                 prompt_len=st.prompt_len,
-                omega_msr=omega_msr(fa[i]),
-                omega_esr=self._esr(st, modes[i]),
+                omega_msr=msr,
+                omega_esr=esr,
+                omega_msr_all=all_msr,
+                omega_esr_all=all_esr,
                 router_latency_s=latency,
                 override=st.override,
                 force=st.force,
                 pooled=pooled[i] if pooled is not None else None,
+                counts_heads=self.first_replica,
             )
-            st.xa_rows.clear()
             observe.on_routing_final(event)
+
+    def _global_omegas(self, local: dict[str, HeadCounts]) -> dict[str, tuple[float, float]]:
+        """The Omegas over every KV head of the requests in ``local`` (empty at TP=1: local is global)."""
+        if self.tp_size == 1:
+            return {}
+        per_rank = compat.tp_all_gather_object(local)
+        missing = [rid for rid in local if any(rid not in counts for counts in per_rank)]
+        if missing:  # would mean ranks disagree on the schedule; record what this rank has
+            logger.error("elastic: TP ranks did not all finalize the routing of %s on the same step", missing)
+        return {rid: v for rid, v in global_omegas(per_rank).items() if rid not in missing}
 
     def _esr(self, st: RequestState, modes: torch.Tensor) -> float:
         """Omega_ESR of the final head modes at the prompt length (``elastic_vllm.sparsity``). XA heads

@@ -200,14 +200,38 @@ def test_without_plugin_vllm_gives_the_same_outputs(tiny):
         assert max(abs(x - y) for x, y in zip(lp, lp_ref)) <= 1e-6
 
 
-def test_tensor_parallel_ranks_route_their_own_heads(tiny, monkeypatch):
-    """TP=2 on the CPU (one KV head per rank): each rank routes its own head, and the two ranks together
-    decide what one rank decides at TP=1."""
+def _rank_metrics(_worker=None) -> dict[str, float]:
+    """This worker's elastic:* Prometheus samples, summed over labels (by value through collective_rpc)."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for fam in REGISTRY.collect():
+        for smp in fam.samples:
+            if smp.name.startswith("elastic:") and not smp.name.endswith("_created"):
+                out[smp.name] = out.get(smp.name, 0.0) + smp.value
+    return out
+
+
+def test_tensor_parallel_ranks_route_their_own_heads(tiny, monkeypatch, tmp_path):
+    """TP=2 on the CPU (one KV head per rank): each rank routes its own head, the two ranks together
+    decide what one rank decides at TP=1, and the Omega_MSR recorded per request covers both heads (the
+    TP=1 value), recorded once (rank 0), with every (layer, head) decision counted once. The router
+    sends layer 0's head 0 to FA, every other head to SA: the ranks' own shares (1/2, 1) differ from
+    the request's (3/4)."""
+    import cloudpickle
+
     from elastic_vllm.vllm_plugin.observe import rpc_events
 
-    model, router = tiny["llama"]
-    cfg = {"elastic": {**ELASTIC, "router_path": str(router)}}
+    from .hf_ref import HFReference
+    from .routers import head_selecting_rules, linear_router
+
+    model, _ = tiny["llama"]
     prompt = PROMPTS[0]
+    hf = HFReference(model)
+    pooled = hf.pooled(hf.tok(prompt).input_ids)[None]  # [1, L, H, D]; layer 0: the keys vLLM pools too
+    rules = {0: head_selecting_rules(pooled, [(0, 0)])[0]}  # layer 1: no rule, every head SA
+    router = save_test_router(linear_router(2, TINY["llama"]["head_dim"], rules), tmp_path / "r", 2)
+    cfg = {"elastic": {**ELASTIC, "router_path": str(router)}}
     single = make_llm(model, attention_backend="elastic", additional_config=cfg, **ENGINE)
     try:
         one = single.generate([prompt], greedy(3), use_tqdm=False)[0]
@@ -216,10 +240,14 @@ def test_tensor_parallel_ranks_route_their_own_heads(tiny, monkeypatch):
     want = event_of(one.request_id)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (auto binding needs 2 NUMA nodes)
     tp = make_llm(model, attention_backend="elastic", additional_config=cfg, tensor_parallel_size=2, **ENGINE)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import the tests
     try:
+        m0 = tp.collective_rpc(_rank_metrics)  # workers may be forks of this process: deltas
         two = tp.generate([prompt], greedy(3), use_tqdm=False)[0]
         per_rank = tp.collective_rpc(rpc_events)
+        m1 = tp.collective_rpc(_rank_metrics)
     finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         close_llm(tp)
     assert [ev[-1]["tp_rank"] for ev in per_rank] == [0, 1]
     assert [ev[-1]["kv_heads"] for ev in per_rank] == [[0], [1]]
@@ -229,3 +257,17 @@ def test_tensor_parallel_ranks_route_their_own_heads(tiny, monkeypatch):
     margin = (want.logits[..., 1] - want.logits[..., 0]).abs()
     assert torch.equal(merged[margin > 1e-3], want.decisions[margin > 1e-3])
     assert two.outputs[0].token_ids == one.outputs[0].token_ids
+    # every rank knows the request's Omegas over both heads; rank 0's own share alone would differ
+    assert want.decisions.tolist() == [[True, False], [False, False]]
+    assert [ev[-1]["omega_msr"] for ev in per_rank] == [0.5, 1.0] and want.omega_msr == 0.75
+    assert [ev[-1]["omega_msr_all"] for ev in per_rank] == pytest.approx([want.omega_msr] * 2, abs=1e-12)
+    assert [ev[-1]["omega_esr_all"] for ev in per_rank] == pytest.approx([want.omega_esr] * 2, abs=1e-12)
+
+    def delta(rank, name):
+        return m1[rank].get(name, 0.0) - m0[rank].get(name, 0.0)
+
+    assert [delta(r, "elastic:request_omega_msr_count") for r in (0, 1)] == [1, 0]
+    assert delta(0, "elastic:request_omega_msr_sum") == pytest.approx(want.omega_msr, abs=1e-6)
+    assert delta(0, "elastic:request_omega_esr_sum") == pytest.approx(want.omega_esr, abs=1e-6)
+    L, H = want.decisions.shape
+    assert [delta(r, "elastic:head_decisions_total") for r in (0, 1)] == [L * H // 2] * 2

@@ -26,7 +26,7 @@ from elastic_vllm.vllm_plugin.overrides import effective_force, request_override
 from elastic_vllm.vllm_plugin.routing import decode_modes
 from elastic_vllm.vllm_plugin.state import EngineState, global_kv_heads
 
-from .routers import linear_router, prompt_splitting_rule, save_test_router
+from .routers import head_selecting_rules, linear_router, prompt_splitting_rule, save_test_router
 
 FA, SSA, XA = int(HeadMode.FA), int(HeadMode.SSA), int(HeadMode.XA)
 
@@ -351,6 +351,133 @@ def test_decode_sparse_and_readmission_reroutes_identically(tmp_path):
     assert len(observe.events("A")) == 1  # recorded once
 
 
+class _RankSim:
+    """A PagedSim seen by one TP rank: the paged caches hold its KV heads only."""
+
+    def __init__(self, sim: PagedSim, heads: list[int]):
+        self.sim, self.h0, self.n = sim, heads[0], len(heads)
+
+    def common(self, *args, **kwargs):
+        return self.sim.common(*args, **kwargs)
+
+    def key_cache(self, layer: int):
+        return self.sim.key_cache(layer)[:, :, self.h0 : self.h0 + self.n]
+
+
+@pytest.mark.parametrize(
+    "tp,kv",
+    [(2, [(0, 0), (1, 1)]), (4, [(0, 0), (0, 0), (1, 1), (1, 1)])],  # (first, last) head; tp 4: 2 replicas per head
+    ids=["tp2", "tp4-replicated"],
+)
+def test_tensor_parallel_omegas_count_every_head_once(tmp_path, monkeypatch, tp, kv):
+    """TP ranks (threads here; a barrier stands in for vLLM's TP-group all-gather) route their own KV heads
+    and record Omegas over every head once, replicas once: equal to TP=1's; head decisions are counted by
+    the first replica of each head only; TP=1 never gathers."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prometheus_client import REGISTRY
+
+    from elastic_vllm.vllm_plugin import compat
+
+    torch.manual_seed(0)
+    lens = {"A": 300, "B": 40}
+    rope = RopeSpec.from_hf_config(fake_vllm_config({}).model_config.hf_config)
+    sim = PagedSim(lens, rope)
+    pooled = torch.stack([torch.stack([pool_keys(k[:n], "boundary", 8) for k in sim.pre[q]]) for q, n in lens.items()])
+    # layer 0: A FA, B SA at head 0; layer 1: head 0 FA, head 1 SA -> the ranks' own shares differ
+    rules = {0: prompt_splitting_rule(pooled[0, 0, 0], pooled[1, 0, 0]), 1: head_selecting_rules(pooled, [(1, 0)])[1]}
+    path = save_test_router(linear_router(L, D, rules), tmp_path / "r", HKV)
+    cfg = {"elastic": {"router_path": str(path), "pool_tokens": 8, "sink": 4, "window": 32}}
+    rank = threading.local()
+    contributions: list = [None] * tp
+    barrier = threading.Barrier(tp, timeout=60)
+    calls = []
+
+    def all_gather(obj):
+        calls.append(rank.r)
+        contributions[rank.r] = obj
+        barrier.wait()
+        out = list(contributions)
+        barrier.wait()
+        return out
+
+    monkeypatch.setattr(compat, "tp_all_gather_object", all_gather)
+
+    def step(state, view):
+        so = SchedOut([NewReq("A", [0] * 300), NewReq("B", [0] * 40)], Cached(), {"A": 300, "B": 40})
+        run_step(state, view, so, ["A", "B"], [300, 40], [300, 40])
+
+    observe.clear()
+    single = EngineState(fake_vllm_config(cfg))
+    single.attach(torch.device("cpu"), max_rows=4, max_slots=4, block_size=BS)
+    step(single, sim)
+    assert calls == []  # TP=1: no collective
+    want = {e.req_id: e for e in observe.events()}
+    assert all(e.omega_msr_all == e.omega_msr for e in want.values())
+
+    def sample(name, **labels):
+        return REGISTRY.get_sample_value(name, {"model_name": "tiny", **labels}) or 0.0
+
+    def decisions_total():
+        return sum(
+            sample("elastic:head_decisions_total", layer=str(li), decision=d, tp_rank=str(t))
+            for li in range(L)
+            for d in ("FA", "SA")
+            for t in range(tp)
+        )
+
+    msr_n, msr_sum, esr_sum = (sample(f"elastic:request_omega_{m}") for m in ("msr_count", "msr_sum", "esr_sum"))
+    heads_before = decisions_total()
+    observe.clear()
+
+    def run_rank(r_):
+        rank.r = r_
+        monkeypatch.setattr(compat, "tp_rank_and_size", lambda: (rank.r, tp))
+        vc = fake_vllm_config(cfg)
+        vc.model_config.get_num_kv_heads = lambda pc: max(1, HKV // tp)
+        state = EngineState(vc)
+        state.attach(torch.device("cpu"), max_rows=4, max_slots=4, block_size=BS)
+        step(state, _RankSim(sim, list(state.kv_heads)))
+
+    with ThreadPoolExecutor(tp) as pool:
+        for f in [pool.submit(run_rank, r_) for r_ in range(tp)]:
+            f.result()
+    assert sorted(calls) == list(range(tp))  # one gather per rank: both routings final on one step
+    local_msr = set()
+    for e in observe.events():
+        first, last = kv[e.tp_rank]
+        assert e.kv_heads == tuple(range(first, last + 1))
+        w = want[e.req_id]
+        assert torch.equal(e.decisions, w.decisions[:, first : last + 1])
+        assert e.omega_msr_all == pytest.approx(w.omega_msr, abs=1e-12)
+        assert e.omega_esr_all == pytest.approx(w.omega_esr, abs=1e-12)
+        assert e.counts_heads == (e.tp_rank == 0 or kv[e.tp_rank] != kv[e.tp_rank - 1])
+        local_msr.add((e.req_id, e.omega_msr))
+    assert len(observe.events()) == 2 * tp
+    assert len(local_msr) > len(want)  # ranks' own shares differ: rank 0's alone would be wrong
+    # rank 0 records the per-request histograms once, over all heads; every (layer, head) counted once
+    assert sample("elastic:request_omega_msr_count") == msr_n + 2
+    assert sample("elastic:request_omega_msr_sum") == pytest.approx(msr_sum + sum(e.omega_msr for e in want.values()))
+    assert sample("elastic:request_omega_esr_sum") == pytest.approx(esr_sum + sum(e.omega_esr for e in want.values()))
+    assert decisions_total() == heads_before + 2 * L * HKV
+
+
+def test_global_omegas_dedupes_replicas():
+    from elastic_vllm.vllm_plugin.state import HeadCounts, global_omegas, is_first_replica
+
+    # 4 ranks, 2 KV heads x 3 layers, each head on 2 ranks; request "a": head 0 all FA, head 1 all SA
+    a0, a1 = HeadCounts((0,), 3, 3, 0.0), HeadCounts((1,), 3, 0, 3 * 0.9)
+    per_rank = [{"a": a0}, {"a": a0}, {"a": a1}, {"a": a1}]
+    assert global_omegas(per_rank) == {"a": (0.5, pytest.approx(0.45))}
+    assert global_omegas([{"a": a0}]) == {"a": (0.0, 0.0)}  # one rank: its own heads
+    assert [is_first_replica(r, 4, 2) for r in range(4)] == [True, False, True, False]
+    assert all(is_first_replica(r, 2, 8) for r in range(2))
+    # unequal shards weigh by head count; requests missing on a rank use the ranks that have them
+    b = global_omegas([{"x": HeadCounts((0, 1), 4, 1, 0.0), "y": a0}, {"x": HeadCounts((2,), 2, 2, 0.0)}])
+    assert b["x"] == (0.5, 0.0) and b["y"] == (0.0, 0.0)
+
+
 def test_startup_errors_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_VLLM_ROUTER_WEIGHTS", str(tmp_path / "none"))
     monkeypatch.chdir(tmp_path)
@@ -383,7 +510,7 @@ class _Obs:
     def on_rows(self, req_ids):
         self.rows.append(req_ids)
 
-    def on_step_end(self):
+    def on_step_end(self, failed=False):
         pass
 
     def needs_eager_attention(self):
