@@ -655,12 +655,21 @@ def run_step(name: str, args, work: Path, timeout: float, env: dict) -> dict:
         cmd.append("--tiny")
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def kill_step(signum=None, _frame=None):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if signum is not None:  # the driver is being stopped (e.g. an outer `timeout`): no orphaned TP workers
+            sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, kill_step)
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_step()
         return {"error": f"timed out after {timeout:.0f} s", "s": time.perf_counter() - t}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     with_data = json.loads(part.read_text()) if part.exists() else None
     if rc != 0 or with_data is None:
         err = (with_data or {}).get("error", f"exit code {rc}")
