@@ -49,12 +49,16 @@ case "$step" in
     mkdir -p /tmp/gg && cp .gpu-gguf/*/gg.* /tmp/gg/
     mkdir -p /tmp/stage/extra && cat /tmp/gg/gg.00 /tmp/gg/gg.01 > "$GGUF"
     rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts .whl pyproject.toml /tmp/tree-train/
+    # the trainers' own site (pydantic, gguf) and the model converted once, before they start (no races)
+    [ -n "${LOCAL_DRY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/elastic-site .whl/*.whl
+    export PYTHONPATH=/tmp/elastic-site:$PWD; M=$(demo); echo "model $M"
     for v in ${VARIANTS:-A B}; do
       eval "vars=\${VARIANT_$v:-}"
       rm -rf /tmp/train$v /tmp/work$v
-      (cd /tmp/tree-train && CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-1} setsid nohup env $vars MEASURE=1 WORK=/tmp/work$v \
-        bash -c "bash scripts/gpu_train_smollm2.sh $GGUF /tmp/gpucarry/router-data /tmp/train$v; echo train rc=\$? > /tmp/train$v.rc" \
-        > /tmp/train$v.log 2>&1 < /dev/null &)
+      # setsid -f: a new session (it outlives this call), the launching subshell returns at once
+      (cd /tmp/tree-train && PYTHONPATH=/tmp/elastic-site CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-1} exec setsid -f env $vars \
+        MEASURE=1 WORK=/tmp/work$v bash -c "bash scripts/gpu_train_smollm2.sh $GGUF /tmp/gpucarry/router-data /tmp/train$v; \
+        echo train rc=\$? > /tmp/train$v.rc") > /tmp/train$v.log 2>&1 < /dev/null
       echo "started $v: $vars"
     done
     sleep 20; tail -n 5 /tmp/train*.log; nvidia-smi --query-gpu=index,memory.used --format=csv,noheader ;;
@@ -91,14 +95,15 @@ case "$step" in
     tar -C /tmp -czf "$OUT/fsdp.tgz" fsdp ;;
   tp)
     M=$(demo)
-    timeout ${TP_TIMEOUT:-360} python3 tests/gpu/check_tp.py --model "$M" --out "$OUT/check_tp.json" 2>&1 \
+    timeout ${TP_TIMEOUT:-360} python3 tests/gpu/check_tp.py --model "$M" --out "$OUT/check_tp.json" --time-budget ${TP_BUDGET:-320} 2>&1 \
       | grep -vE "^(INFO|DEBUG|\(EngineCore|\(Worker)" | tail -40 || true ;;
   eval_bg)
     M=$(demo)
     rm -rf /tmp/acc /tmp/eval.rc
-    (CUDA_VISIBLE_DEVICES=${EVAL_GPU:-1} setsid nohup bash -c "python3 benchmarks/accuracy.py --model $M --router /tmp/router \
-      --lengths 4096 8192 --samples ${SAMPLES:-20} --out /tmp/acc --device cuda --time-budget ${BUDGET:-300}; \
-      echo eval rc=\$? > /tmp/eval.rc" > /tmp/eval.log 2>&1 < /dev/null &)
+    (CUDA_VISIBLE_DEVICES=${EVAL_GPU:-1} exec setsid -f bash -c "python3 benchmarks/accuracy.py --model $M --router /tmp/router \
+      --lengths ${LENGTHS:-4096 8192} --samples ${SAMPLES:-20} --out /tmp/acc --device cuda --time-budget ${BUDGET:-300} \
+      ${METHODS:+--methods $METHODS} ${IMPL:+--impl $IMPL}; \
+      echo eval rc=\$? > /tmp/eval.rc") > /tmp/eval.log 2>&1 < /dev/null
     echo "eval started" ;;
   collect_eval)
     for _ in $(seq 1 $(( ${WAIT_S:-300} / 5 ))); do [ -f /tmp/eval.rc ] && break; sleep 5; done

@@ -6,8 +6,8 @@
 #   GGUF      SmolLM2-135M-Instruct.Q4_1.gguf (sha256-checked, converted by elastic_vllm.models.fetch_demo_model)
 #   DATA_DIR  the output of `elastic-vllm build-data` (train.jsonl.gz, eval.jsonl.gz, manifest.json);
 #             built on the CPU machine (sources need the network), carried here
-#   OUT_DIR   gets exactly 7 files, flat: router.safetensors, router.json (the router checkpoint: load it
-#             from OUT_DIR itself), summary.json, train_log.jsonl, curves.png, and (MEASURE=1) measure.json,
+#   OUT_DIR   gets exactly 7 files, flat: router.safetensors, router.json (the router checkpoint, MLP
+#             weights stored in float16 as shipped; load it from OUT_DIR itself; measured as stored), summary.json, train_log.jsonl, curves.png, and (MEASURE=1) measure.json,
 #             measure.md; the full run (checkpoints, all plots) stays in $WORK
 #
 # Environment: STEPS (600: planned steps; after 6 steps they shrink, and the LR/tau schedules with them,
@@ -71,7 +71,13 @@ ${LAUNCH:-python3} -m elastic_vllm.cli train-router \
   --no-gradient-checkpointing --no-progress --backbone-id HuggingFaceTB/SmolLM2-135M-Instruct \
   --time-budget-s "$TIME_BUDGET_S" "$@" 2>&1 | { grep -v "Loading weights" || true; }
 
-cp "$WORK/router/router.safetensors" "$WORK/router/router.json" "$WORK/summary.json" "$WORK/train_log.jsonl" "$OUT/"
+cp "$WORK/summary.json" "$WORK/train_log.jsonl" "$OUT/"
+# the router as it ships: MLP weights stored in float16 (input standardization float32); measured below
+python3 -c "
+import sys, torch
+from elastic_vllm.router.checkpoint import load_router, save_router
+ck = load_router(sys.argv[1]); save_router(ck.router, sys.argv[2], ck.meta, weights_dtype=torch.float16)
+" "$WORK/router" "$OUT"
 [ -f "$WORK/plots/curves.png" ] && cp "$WORK/plots/curves.png" "$OUT/"
 echo "trained in $(( $(date +%s) - T0 )) s total"
 python3 - "$WORK/summary.json" "$WORK/train_log.jsonl" <<'PY'
@@ -89,7 +95,7 @@ for r in log[:: max(1, len(log) // 12)] + log[-1:]:
 PY
 
 if [ "${MEASURE:-0}" = 1 ]; then
-  python3 scripts/measure_trained_router.py --model "$MODEL" --router "$WORK/router" --eval "$DATA/eval.jsonl.gz" \
+  python3 scripts/measure_trained_router.py --model "$MODEL" --router "$OUT" --eval "$DATA/eval.jsonl.gz" \
     --per-length "${NEEDLE_PER_LENGTH:-10}" --lengths "${NEEDLE_LENGTHS:-2048,3072,4096,5120,6144}" --out "$OUT/measure.json" | tee "$OUT/measure.md"
   echo "measured in $(( $(date +%s) - T0 )) s total"
 fi

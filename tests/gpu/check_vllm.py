@@ -23,6 +23,10 @@ directly (no pip install needed on a bare checkout). Checks, one JSON row each (
   heads of SmolLM2 FA is built from transformers keys (tests/vllm_cpu/routers.py).
 - batch: one batch whose requests have different routings (auto / all-FA / all-SA overrides, different prompts):
   all recorded, each once, with the decisions their override demands.
+- trained: the shipped trained router (input standardization included) through vLLM's fused Triton router
+  kernel, float32 engine with CUDA graphs, against the transformers elastic reference (float32, CPU) on the
+  same token ids: per (layer, KV head) the same decision wherever the reference's FA-minus-SA margin exceeds
+  1e-3 (tests/vllm_cpu/helpers.LOGIT_EPS: float32 keys of two engines agree to ~1e-5), and the logits close.
 - long: a Llama-3.1-8B-shaped model with dummy weights serves one --long-len token prompt (random ids), auto
   (random router) and all-FA; reports the prefill times and Omega_MSR.
 """
@@ -290,6 +294,44 @@ def check_batch(name, t0):
            decisions_equal_shape=all(e.decisions.shape == torch.Size([30, 3]) for e in evs if e is not None))  # fmt: skip
 
 
+def check_trained(name, t0):
+
+    sys.path.insert(0, str(ROOT))
+    from elastic_vllm.eval.needle import make_needle_prompt
+    from tests.vllm_cpu.helpers import LOGIT_EPS
+    from tests.vllm_cpu.hf_ref import HFElasticReference
+
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    router = Path(ARGS.trained_router)
+    knobs = {"sink": 128, "window": 512}
+    cfg = {"elastic": {"router_path": str(router), **knobs}}
+    llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg, dtype="float32",
+               enable_prefix_caching=False)  # fmt: skip
+    tok = llm.get_tokenizer()
+    texts = chat_prompts(tok)[:3] + [
+        make_needle_prompt(tok, n, seed=i).text(tok) for i, n in enumerate((900, 2000, 3500))
+    ]
+    outs = llm.generate(texts, greedy(4), use_tqdm=False)
+    evs = events_by_request(outs)
+    close(llm)
+    ref = HFElasticReference(ARGS.model, knobs, router)
+    compared = disagree = 0
+    max_diff, msr = 0.0, []
+    for o, e in zip(outs, evs):
+        if e is None:
+            raise AssertionError(f"request {o.request_id}: no routing recorded")
+        ref_logits, _ = ref.route(list(o.prompt_token_ids))
+        margin = ref_logits[..., 1] - ref_logits[..., 0]
+        sure = margin.abs() > LOGIT_EPS
+        compared += int(sure.sum())
+        disagree += int((e.decisions.bool() != (margin > 0))[sure].sum())
+        max_diff = max(max_diff, float((e.logits.float() - ref_logits).abs().max()))
+        msr.append(round(e.omega_msr, 3))
+    ok = disagree == 0 and compared > 0 and max_diff < 5e-2
+    record(name, ok, time.perf_counter() - t0, router=str(router), compared=compared, disagreements=disagree,
+           max_logit_diff=max_diff, omega_msr=msr, prompt_tokens=[len(o.prompt_token_ids) for o in outs])  # fmt: skip
+
+
 def check_long(name, t0):
     import torch
 
@@ -339,6 +381,7 @@ CHECKS = {
     "needle": [("needle", check_needle)],
     "batch": [("batch", check_batch)],
     "long": [("long", check_long)],
+    "trained": [("trained", check_trained)],
 }
 
 
@@ -349,6 +392,7 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_vllm.json"))
     p.add_argument("--router", help="router folder for the needle and batch checks (default: constructed)")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")
+    p.add_argument("--trained-router", default=str(ROOT / "router_weights" / "smollm2-135m-instruct"))
     p.add_argument("--needle-n", type=int, default=10)
     p.add_argument("--needle-len", type=int, default=2000)
     p.add_argument("--long-len", type=int, default=131072)
@@ -372,7 +416,8 @@ def main() -> int:
         for n, _ in names:
             part = Path(ARGS.out).with_suffix(f".{n}.json")
             cmd = [sys.executable, __file__, "--model", ARGS.model, "--out", str(part), "--only", n,
-                   "--needle-n", str(ARGS.needle_n), "--needle-len", str(ARGS.needle_len), "--long-len", str(ARGS.long_len)]  # fmt: skip
+                   "--needle-n", str(ARGS.needle_n), "--needle-len", str(ARGS.needle_len), "--long-len", str(ARGS.long_len),
+                   "--trained-router", ARGS.trained_router]  # fmt: skip
             if ARGS.router:
                 cmd += ["--router", ARGS.router]
             t = time.perf_counter()
