@@ -3,7 +3,7 @@
 
     python3 scripts/compare_train_runs.py REF_DIR RUN_DIR --out compare.json [--world-ref 1 --world-run 2]
 
-Each DIR holds the trainer's summary.json and train_log.jsonl (gpu_train_smollm2.sh's output). Per step,
+Each DIR holds the trainer's summary.json and train_log.jsonl (or .jsonl.gz) (gpu_train_smollm2.sh's output). Per step,
 the two runs see the same samples and the same Gumbel noise (a function of seed, step and sample index),
 so their curves differ only by floating-point reduction order and the chaos it seeds. "Within noise":
 
@@ -20,7 +20,9 @@ over the steps after the first 5.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +33,9 @@ MA = 10
 
 def load(d: Path) -> tuple[dict, list[dict]]:
     summary = json.loads((d / "summary.json").read_text())
-    log = [json.loads(line) for line in (d / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    plain, packed = d / "train_log.jsonl", d / "train_log.jsonl.gz"  # committed logs are gzipped
+    text = plain.read_text() if plain.is_file() else gzip.decompress(packed.read_bytes()).decode()
+    log = [json.loads(line) for line in text.splitlines() if line.strip()]
     if not log:
         raise SystemExit(f"{d}: train_log.jsonl is empty")
     return summary, log
@@ -115,6 +119,16 @@ def compare(ref: tuple[dict, list[dict]], run: tuple[dict, list[dict]], categori
     }
 
 
+def _git_head() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ref", type=Path)
@@ -130,6 +144,8 @@ def main() -> int:
     res = compare(ref, run, dict(TASKS))
     res["throughput"] = {"ref": throughput(ref[1], a.world_ref), "run": throughput(run[1], a.world_run)}
     res["throughput"]["ref"]["shared_gpu"] = a.ref_shared
+    res["inputs"] = {"ref": str(a.ref), "run": str(a.run)}
+    res["git_commit"] = os.environ.get("GIT_COMMIT") or _git_head()
     res["runs"] = {
         k: {f: s.get(f) for f in ("steps", "batch_size", "seed", "wall_s", "device", "torch", "world_size")}
         for k, s in (("ref", ref[0]), ("run", run[0]))

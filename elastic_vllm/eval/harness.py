@@ -443,8 +443,12 @@ def provenance(argv: list[str], device: torch.device) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)"
     return {
         "command": " ".join(shlex.quote(a) for a in argv),
-        "git_commit": git("rev-parse", "HEAD") or "unknown",
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        # GIT_COMMIT first: the GPU machine's copy of the tree may carry a stale .git (it reported an older
+        # commit on 2026-11-30)
+        "git_commit": os.environ.get("GIT_COMMIT") or git("rev-parse", "HEAD") or "unknown",
+        "git_dirty": False
+        if os.environ.get("GIT_COMMIT")
+        else bool(git("status", "--porcelain", "--untracked-files=no")),
         "gpu": gpu,
         "device": str(device),
         "torch": torch.__version__,
