@@ -607,7 +607,7 @@ def eval_metrics(s: dict) -> tuple[bool, dict]:
         "forward_calls_auto_per_rank": tp2.get("forward_calls_auto_per_rank"),
         # every routing event each rank holds (the first H200 run saw 12 Omega observations for 4 requests)
         "events_per_rank": [
-            [(e["req_id"], e["prompt_len"], round(e["omega_msr"], 4)) for e in rank_events] for rank_events in tp2["events"]
+            [(e.get("req_id"), e.get("prompt_len"), e.get("omega_msr")) for e in rank_events] for rank_events in tp2["events"]
         ],
         "served_req_ids": [o["request_id"] for o in tp2["auto"]] + [o["request_id"] for o in tp2["all_fa"]],
     }  # fmt: skip
