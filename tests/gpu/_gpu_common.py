@@ -92,6 +92,18 @@ def env_info() -> dict:
     }
 
 
+def close_llm(llm) -> None:
+    """Shut a vLLM ``LLM`` down (its engine core and, with TP, its workers) and free what it held."""
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
 def write_json(path: str | os.PathLike | None, payload: dict) -> None:
     if not path:
         return

@@ -55,7 +55,7 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import ROOT, bootstrap, env_info, write_json
+from _gpu_common import ROOT, bootstrap, close_llm, env_info, write_json
 
 ROUTER_EPS = 0.05
 METRIC_ATOL = 1e-6
@@ -371,17 +371,6 @@ def _engine(model, tiny: bool, graphs: bool, **kw):
     return LLM(str(model), **args)
 
 
-def _close(llm) -> None:
-    import gc
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
-
-
 def _generate(llm, prompts, force: str | None = None, n: int = 8) -> tuple[list, list[dict]]:
     from vllm import SamplingParams
 
@@ -415,7 +404,7 @@ def step_demo(args, work: Path) -> dict:
         llm = _engine(args.model, args.tiny, graphs=False, attention_backend="elastic", tensor_parallel_size=TP)
     except Exception as e:
         return {"raised": True, "refusal": f"{type(e).__name__}: {e}"[:2000], "seconds": time.perf_counter() - t}
-    _close(llm)
+    close_llm(llm)
     return {"raised": False, "seconds": time.perf_counter() - t}
 
 
@@ -456,11 +445,11 @@ def step_tp1(args, work: Path) -> dict:
     startup = time.perf_counter() - t
     _, auto = _generate(llm, prompts)
     events = llm.collective_rpc(rpc_events)
-    _close(llm)
+    close_llm(llm)
     ref_backend = "CPU_ATTN" if args.tiny else "FLASH_ATTN"
     llm = _engine(work / "model", args.tiny, graphs=False, attention_backend=ref_backend)
     _, ref = _generate(llm, prompts)
-    _close(llm)
+    close_llm(llm)
     return {"startup_s": startup, "seconds": time.perf_counter() - t, "auto": auto, "events": events,
             "ref_backend": ref_backend, "ref": ref}  # fmt: skip
 
@@ -488,7 +477,7 @@ def step_tp2_elastic(args, work: Path) -> dict:
     metrics_text = generate_latest(reg).decode()
     _, all_fa = _generate(llm, prompts, force="all-FA")
     events = llm.collective_rpc(rpc_events)
-    _close(llm)
+    close_llm(llm)
     calls = [b["forward_calls"] - a["forward_calls"] for a, b in zip(c0, c1)]
     return {"startup_s": startup, "seconds": time.perf_counter() - t, "auto": auto, "all_fa": all_fa,
             "events": events, "metrics": metric_sums(metrics_text), "graphs": graphs,
@@ -502,7 +491,7 @@ def step_tp2_flash(args, work: Path) -> dict:
     llm = _engine(work / "model", args.tiny, graphs=True, attention_backend=backend, tensor_parallel_size=TP)
     startup = time.perf_counter() - t
     _, ref = _generate(llm, prompts)
-    _close(llm)
+    close_llm(llm)
     return {"startup_s": startup, "seconds": time.perf_counter() - t, "backend": backend, "ref": ref}
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import ROOT, bootstrap, env_info, write_json
+from _gpu_common import ROOT, bootstrap, close_llm, env_info, write_json
 
 ARGS = None
 ENV: dict = {}
@@ -85,15 +85,6 @@ def llm_(model, **kw):
     args = dict(dtype="bfloat16", max_model_len=8192, gpu_memory_utilization=0.35, seed=0)
     args.update(kw)
     return LLM(str(model), **args)
-
-
-def close(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
 
 
 def greedy(n, logprobs=None, force=None, **kw):
@@ -155,7 +146,7 @@ def _generate(backend: str, **kw):
     prompts = chat_prompts(llm.get_tokenizer())
     use_v2 = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
     outs = llm.generate(prompts, greedy(32, logprobs=2), use_tqdm=False)
-    close(llm)
+    close_llm(llm)
     return outs, use_v2
 
 
@@ -215,7 +206,7 @@ def check_graphs(name, t0):
         before = observe.COUNTERS.forward_calls
         outs = llm.generate(prompts, greedy(48, logprobs=2), use_tqdm=False)
         res[mode] = (observe.COUNTERS.forward_calls - before, outs)
-        close(llm)
+        close_llm(llm)
     calls_graphs, calls_eager = res["graphs"][0], res["eager"][0]
     eager_outs, graph_outs = res["eager"][1], res["graphs"][1]
     # The decode split count follows max_seq_len: max_model_len under graphs, the batch's longest sequence
@@ -273,7 +264,7 @@ def check_needle(name, t0):
             acc[force] = sum(n.answer in o.outputs[0].text for n, o in zip(needles, outs)) / len(needles)
             if force == "auto":
                 msr = [e.omega_msr for e in events_by_request(outs) if e is not None]
-        close(llm)
+        close_llm(llm)
     ok = acc["auto"] >= acc["all-FA"] - 0.2 and len(msr) == len(needles)
     record(name, ok, time.perf_counter() - t0, accuracy=acc, mean_omega_msr=sum(msr) / max(len(msr), 1),
            prompts=len(needles), prompt_tokens=ARGS.needle_len)  # fmt: skip
@@ -294,7 +285,7 @@ def check_batch(name, t0):
         forces = ["auto", "all-FA", "all-SA", "auto", "all-SA", "auto"]
         outs = llm.generate(texts, [greedy(16, force=f) for f in forces], use_tqdm=False)
         evs = events_by_request(outs)
-        close(llm)
+        close_llm(llm)
     recorded = all(e is not None for e in evs)
     want = all(
         e is not None
@@ -327,7 +318,7 @@ def check_trained(name, t0):
     ]
     outs = llm.generate(texts, greedy(4), use_tqdm=False)
     evs = events_by_request(outs)
-    close(llm)
+    close_llm(llm)
     ref = HFElasticReference(ARGS.model, knobs, router)
     compared = disagree = 0
     max_diff, msr = 0.0, []
@@ -385,7 +376,7 @@ def check_long(name, t0):
                 (e,) = events_by_request([out])
                 msr = None if e is None else round(e.omega_msr, 3)
             assert len(out.outputs[0].token_ids) == 4
-        close(llm)
+        close_llm(llm)
     record(name, msr is not None, time.perf_counter() - t0, prompt_tokens=n, seconds=times, omega_msr=msr)
 
 
