@@ -294,10 +294,18 @@ def split_fn(x: dict, share: float, sdpa_full):
 OURS = {"bs": 16}
 
 
+# tuned per head_dim (the tune sections); a head_dim without its own tuning uses OURS
+OURS_BY_D: dict[int, dict] = {}
+
+
+def ours_cfg(d: int) -> dict:
+    return dict(OURS_BY_D.get(d, OURS))
+
+
 def ours_fn(x: dict, share: float, cfg: dict | None = None):
     from elastic_vllm.csrc.prefill import prefill_attention
 
-    cfg = dict(OURS if cfg is None else cfg)
+    cfg = ours_cfg(x["q"].shape[-1]) if cfg is None else dict(cfg)
     kc, vc, bt = paged(x, cfg.pop("bs"))
     hm = head_modes(share)
     out = torch.empty_like(x["q"])
@@ -398,25 +406,35 @@ TUNE_CANDIDATES = [
 ]
 
 
-def tune_section() -> None:
+# head_dim 64 (SmolLM2, Qwen2.5-0.5B...): smaller tiles per FLOP, so fewer warps / more keys per tile
+# may win; FlexAttention beat the d-128 winner here (0.86-0.93x in the first runs)
+TUNE_CANDIDATES_D64 = [
+    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": False},
+    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "use_tma": False},
+    {"bs": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "use_tma": False},
+    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 4, "use_tma": False},
+    {"bs": 128, "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "use_tma": False},
+]
+
+
+def tune_section(d: int = 128) -> None:
     """Time each candidate prefill config at 32K (SA 0 and 0.75), check its output against the first
     candidate's (itself checked against the fp32 reference at 8K by ``correctness``), and use the
-    fastest correct one (geometric mean of the two times) for the rest of the run."""
+    fastest correct one (geometric mean of the two times) for the rest of the run (head_dim d)."""
     global OURS
     from elastic_vllm.csrc.prefill import _prefill_kernel
 
     rows = REPORT.setdefault("tune", [])
     S = 32768 if DEV.type == "cuda" else 256
-    x = prefill_inputs(S, 128, seed=3)
-    cands = (
-        TUNE_CANDIDATES
-        if DEV.type == "cuda"
-        else [{"bs": 16, "block_n": 32}, {"bs": 32, "block_n": 32, "use_tma": True}]
-    )
+    x = prefill_inputs(S, d, seed=3)
+    if DEV.type == "cuda":
+        cands = TUNE_CANDIDATES if d == 128 else TUNE_CANDIDATES_D64
+    else:
+        cands = [{"bs": 16, "block_n": 32}, {"bs": 32, "block_n": 32, "use_tma": True}]
     base_out = {}
     scores = []
     for i, cfg in enumerate(cands):
-        row = {"S": S, "d": 128, **cfg}
+        row = {"S": S, "d": d, **cfg}
         try:
             t0 = time.perf_counter()
             for share in (0.0, 0.75):
@@ -432,7 +450,7 @@ def tune_section() -> None:
                     raise RuntimeError(f"output differs from the first candidate's (relative {rel:.3g})")
                 r = timeit(fn)
                 row[f"ms_{share}"] = r["ms"]
-                row[f"TFLOPs_{share}"] = prefill_flops(S, 128, share) / (r["ms"] * 1e-3) / 1e12
+                row[f"TFLOPs_{share}"] = prefill_flops(S, d, share) / (r["ms"] * 1e-3) / 1e12
             row["s"] = round(time.perf_counter() - t0, 1)
             scores.append((math.sqrt(row["ms_0.0"] * row["ms_0.75"]), i))
         except Exception as e:  # e.g. out of shared memory for this config on this Triton
@@ -442,19 +460,23 @@ def tune_section() -> None:
         log(row)
         save()
         if elapsed() > ARGS.budget * 0.45:
-            REPORT.setdefault("skipped", []).append({"section": f"tune candidates {i + 1}+", "reason": "budget"})
+            REPORT.setdefault("skipped", []).append({"section": f"tune d{d} candidates {i + 1}+", "reason": "budget"})
             break
     if scores:
-        OURS = dict(cands[min(scores)[1]])
+        OURS_BY_D[d] = dict(cands[min(scores)[1]])
+        if d == 128:
+            OURS = OURS_BY_D[d]
     REPORT["ours_config"] = OURS
+    REPORT["ours_config_by_head_dim"] = {str(k): v for k, v in OURS_BY_D.items()}
     REPORT["prefill_kernel_variants"] = kernel_resources(_prefill_kernel)
-    log(f"ours = {OURS}")
+    log(f"ours (d {d}) = {ours_cfg(d)}")
     del x, base_out
 
 
 def prefill_section(S: int, d: int, shares, extra: dict | None = None) -> None:
     """sdpa dense, then per share: ours (the tuned config), flex one-call hybrid, split; ``extra``
-    names more configs of ours to time at SA 0.75 (e.g. the block-16 default when ours uses 128)."""
+    maps more variants of ours to (config, shares to time it at), e.g. the block-16 default when ours
+    uses 128, or the first version's tile-major program order."""
     x = prefill_inputs(S, d)
     rows = REPORT.setdefault("prefill", [])
     sdpa, how = sdpa_fn(x)
@@ -473,8 +495,9 @@ def prefill_section(S: int, d: int, shares, extra: dict | None = None) -> None:
         fns = {"ours": ours_fn(x, share), "flex_hybrid": flex_hybrid_fn(x, share)}
         if 0.0 < share < 1.0:
             fns["split"] = split_fn(x, share, sdpa)
-        if extra and share == 0.75:
-            fns.update({name: ours_fn(x, share, cfg) for name, cfg in extra.items()})
+        for name, (cfg, only) in (extra or {}).items():
+            if share in only:
+                fns[name] = ours_fn(x, share, cfg)
         for name, fn in fns.items():
             try:
                 res[name] = timeit(fn)
@@ -491,9 +514,9 @@ def prefill_section(S: int, d: int, shares, extra: dict | None = None) -> None:
         for name, r in res.items():
             row = {"S": S, "d": d, "share": share, "method": name, **r}
             if name == "ours":
-                row["config"] = OURS
+                row["config"] = ours_cfg(d)
             elif name in (extra or {}):
-                row["config"] = extra[name]
+                row["config"] = extra[name][0]
             if "ms" in r:
                 row["TFLOPs"] = flops / (r["ms"] * 1e-3) / 1e12
                 if name == "ours":
@@ -515,17 +538,23 @@ def decode_section(ctx: int, batches) -> None:
         save()
 
 
-def decode_batch(ctx: int, B: int) -> None:
-    from elastic_vllm.csrc.decode import decode_attention
-
-    rows = REPORT.setdefault("decode", [])
-    d = 128
+def decode_inputs(ctx: int, B: int, d: int) -> tuple:
+    """A paged [blocks, 2, BS, Hkv, d] cache of B requests of ctx tokens (randomly permuted blocks, block 0
+    unused), their block table, queries, lengths and an output buffer."""
     nblk = B * math.ceil(ctx / BS)
     kv = torch.randn(nblk + 1, 2, BS, HKV, d, device=DEV, dtype=DT)
     bt = (torch.randperm(nblk, device=DEV) + 1).to(torch.int32).view(B, -1)
     q = torch.randn(B, HQ, d, device=DEV, dtype=DT)
     sl = torch.full((B,), ctx, device=DEV, dtype=torch.int32)
-    out = torch.empty_like(q)
+    return kv, bt, q, sl, torch.empty_like(q)
+
+
+def decode_batch(ctx: int, B: int) -> None:
+    from elastic_vllm.csrc.decode import decode_attention
+
+    rows = REPORT.setdefault("decode", [])
+    d = 128
+    kv, bt, q, sl, out = decode_inputs(ctx, B, d)
     res = {}
     for mode, share in (("dense", 0.0), ("sparse", 0.75)):
         hm = head_modes(share).expand(B, HKV).contiguous()
@@ -547,9 +576,41 @@ def decode_batch(ctx: int, B: int) -> None:
     del kv
 
 
-def route_all_layers(router, kc, bts, rows, plen, slots) -> None:
+def decode_splits_section() -> None:
+    """Split count of the e2e decode shapes (32K x 16, 128K x 4): the default aims at ~8 programs per
+    SM over all (request, KV head) pairs, but with 75% SSA heads the work sits in the FA heads' 25%
+    of the programs; more splits spread it (SSA heads use only the splits their few tiles need)."""
+    from elastic_vllm.csrc.decode import decode_attention, decode_num_splits
+
+    rows = REPORT.setdefault("decode_splits", [])
+    d = 128
+    for ctx, B in ((32768, 16), (131072, 4)):
+        kv, bt, q, sl, out = decode_inputs(ctx, B, d)
+        base = decode_num_splits(B, HKV, ctx, 64, DEV)
+        ref_out = {}
+        for mode, share in (("dense", 0.0), ("sparse", 0.75)):
+            hm = head_modes(share).expand(B, HKV).contiguous()
+            for mult in (1, 2, 4, 8):
+                ns = base * mult
+                fn = functools.partial(
+                    decode_attention, q, kv[:, 0], kv[:, 1], bt, sl, hm, sink=SINK, window=WINDOW, max_seq_len=ctx,
+                    out=out, num_splits=ns,
+                )  # fmt: skip
+                o = fn().float()
+                if mode not in ref_out:
+                    ref_out[mode] = o.clone()
+                rel = float((o - ref_out[mode]).norm() / ref_out[mode].norm())
+                r = timeit(fn)
+                rows.append({"ctx": ctx, "B": B, "mode": mode, "num_splits": ns, "default_splits": base, **r,
+                             "rel_diff_vs_default": rel})  # fmt: skip
+                log(rows[-1])
+        del kv
+        save()
+
+
+def route_all_layers(router, kc, bts, rows, plen, slots, stages=("task", "router")) -> None:
     for layer, bt in enumerate(bts):
-        router(kc, bt, rows, plen, slots, layer)
+        router(kc, bt, rows, plen, slots, layer, stages=stages)
 
 
 def router_section() -> None:
@@ -584,9 +645,13 @@ def router_section() -> None:
                 all_layers()
             row["graph"] = timeit(cg.replay)
             row["graph_us_per_layer"] = row["graph"]["ms"] * 1e3 / L
-            # one launch of each kernel alone (graph of 32), to place the time
+            # each kernel alone (a graph of its 32 launches), to place the time
             for name, kern in (("task", _route_task_kernel), ("router", _route_router_kernel)):
                 row[f"{name}_kernel"] = kernel_resources(kern)
+                g1 = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g1):
+                    route_all_layers(router, kc, bts, req, plen, req, stages=(name,))
+                row[f"graph_{name}_only_us_per_layer"] = timeit(g1.replay)["ms"] * 1e3 / L
         rows.append(row)
         log(row)
         save()
@@ -606,9 +671,13 @@ def summary() -> None:
     for r in REPORT.get("decode", []):
         print(f"  decode ctx={r['ctx']} B={r['B']} {r['mode']:<6} {r['ms']:.3f} ms {r['TBps']:.2f} TB/s"
               f" {r.get('x_vs_dense', '')}")  # fmt: skip
+    for r in REPORT.get("decode_splits", []):
+        print(f"  decode splits ctx={r['ctx']} B={r['B']} {r['mode']:<6} ns={r['num_splits']:<4} {r['ms']:.3f} ms")
     for r in REPORT.get("router", []):
         g = r.get("graph", {}).get("ms")
-        print(f"  router prompt={r['prompt']} R={r['requests']} eager {r['eager']['ms']:.3f} ms graph {g} ms")
+        print(f"  router prompt={r['prompt']} R={r['requests']} eager {r['eager']['ms']:.3f} ms graph {g} ms"
+              f" task-only {r.get('graph_task_only_us_per_layer')} us/layer router-only"
+              f" {r.get('graph_router_only_us_per_layer')} us/layer")  # fmt: skip
     print(f"  ours config {REPORT.get('ours_config')}; skipped {REPORT.get('skipped')}; errors {REPORT.get('errors')}")
 
 
@@ -643,17 +712,22 @@ def main() -> int:
     section("ceilings", ceilings, 3)
     section("correctness", correctness, 15)
     section("tune", tune_section, 25 if not dry else 1)
-    extra = {} if OURS.get("bs") == 16 else {"ours_bs16_default": {"bs": 16}}
-    section("prefill S=32768 d=128", lambda: prefill_section(32768 if not dry else 256, 128, shares), 30)
+    mixed = tuple(s for s in shares if 0 < s < 1)
+    # the first version's program order (tile-major, all heads of a tile adjacent), same tiles
+    order = {"ours_tile_major": (dict(OURS, program_order="tile_major"), mixed)}
+    extra = dict(order) if OURS.get("bs") == 16 else {**order, "ours_bs16_default": ({"bs": 16}, (0.75,))}
+    section("prefill S=32768 d=128", lambda: prefill_section(32768 if not dry else 256, 128, shares, order), 30)
     if not dry:
-        section("prefill S=131072 d=128", lambda: prefill_section(131072, 128, shares, extra), 40)
+        section("prefill S=131072 d=128", lambda: prefill_section(131072, 128, shares, extra), 50)
         section("decode 32K", lambda: decode_section(32768, (1, 16, 64)), 8)
         section("decode 128K", lambda: decode_section(131072, (1, 16, 64)), 12)
+        section("decode splits", decode_splits_section, 10)
     else:
         section("decode 512", lambda: decode_section(512, (2,)), 1)
     section("router", router_section, 8)
     if not ARGS.quick and not dry:
         section("prefill S=8192 d=128", lambda: prefill_section(8192, 128, shares), 12)
+        section("tune d64", lambda: tune_section(64), 20)
         section("prefill S=32768 d=64", lambda: prefill_section(32768, 64, shares), 25)
         section("prefill S=131072 d=64", lambda: prefill_section(131072, 64, (0.0, 0.75)), 30)
         section("prefill S=262144 d=128", lambda: prefill_section(262144, 128, (0.0, 0.75)), 90)

@@ -11,8 +11,9 @@ and the program visits only the key tiles its mode needs::
 
 Tiles fully inside the visible region run without a mask; the few boundary tiles (diagonal,
 window edge, sink edge) apply the token-exact mask. SSA programs therefore finish after
-~(sink + window) / BLOCK_N tiles, and programs are launched heaviest first (last query tile
-first, all KV heads of a tile together) so the long FA programs start before the short ones.
+~(sink + window) / BLOCK_N tiles. Inside each request the long programs (FA, XA heads) are
+launched first, heaviest query tile first, then the SSA programs fill the tail; so the long
+programs start in waves that walk K/V in step (shared through L2) instead of staggered.
 
 XA metadata (see ``xattn_select``): for request b, KV head h and query block A (absolute
 block = position // xattn_block) the selected key blocks are::
@@ -231,10 +232,12 @@ def _prefill_kernel(
     XA_BLOCK: tl.constexpr,
     DOT_PREC: tl.constexpr,
     USE_TMA: tl.constexpr,
+    FA_FIRST: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     i_p = tl.program_id(0)
-    # heaviest first: program 0 takes the last query tile; the KV heads of one tile are adjacent
-    i_h = i_p % num_kv_heads
+    # requests in reverse order of their tile ranges (request b owns query tiles [start_b, start_b+1),
+    # start_b = query_start_loc[b] // BLOCK_Q + b); i_t is any tile of the request this program falls in
     i_t = n_tiles - 1 - i_p // num_kv_heads
     # request of this tile: the largest b with query_start_loc[b] // BLOCK_Q + b <= i_t
     lo = i_t * 0
@@ -248,15 +251,42 @@ def _prefill_kernel(
     i_b = lo
     q_start = tl.load(query_start_loc + i_b)
     q_len = tl.load(query_start_loc + i_b + 1) - q_start
-    i_tl = i_t - (q_start // BLOCK_Q + i_b)  # tile index inside the request
-    if i_tl * BLOCK_Q >= q_len:
-        return
-    seq_len = tl.load(seq_lens + i_b)
-    ctx = seq_len - q_len  # positions of this step's queries: ctx .. seq_len-1
+    t_start = q_start // BLOCK_Q + i_b
+    t_cap = tl.where(i_b + 1 < num_reqs, tl.load(query_start_loc + i_b + 1) // BLOCK_Q + i_b + 1, n_tiles) - t_start
     if HAS_SLOTS:
         i_row = tl.load(head_mode_slots + i_b).to(tl.int64)
     else:
         i_row = i_b.to(tl.int64)
+    # rank of this program inside its request's t_cap x Hkv programs
+    i_l = i_p - (n_tiles - t_start - t_cap) * num_kv_heads
+    if FA_FIRST:
+        # long heads first (FA, and XA), heaviest tile first, the long heads of one tile adjacent;
+        # then the SSA heads the same way. Long programs of one wave then walk K/V in step and share
+        # it through L2; mixed in with short SSA programs they start staggered, walk different K/V
+        # tiles and, at 128K where one head's K/V (64 MB) outgrows L2, the hybrid turned HBM-bound.
+        o_hh = tl.arange(0, BLOCK_H)
+        m_hh = o_hh < num_kv_heads
+        b_md = tl.load(head_modes + i_row * s_hm0 + o_hh * s_hm1, mask=m_hh, other=1).to(tl.int32)
+        is_long = m_hh & (b_md != 1)
+        is_short = m_hh & (b_md == 1)
+        n_long = tl.sum(is_long.to(tl.int32), 0)
+        in_long = i_l < n_long * t_cap
+        n_grp = tl.where(in_long, n_long, num_kv_heads - n_long)
+        i_g = tl.where(in_long, i_l, i_l - n_long * t_cap)
+        n_grp1 = tl.maximum(n_grp, 1)
+        rank = i_g % n_grp1
+        sel = tl.where(in_long, is_long, is_short)
+        csum = tl.cumsum(sel.to(tl.int32), 0)
+        i_h = tl.sum(tl.where(sel & (csum == rank + 1), o_hh, 0), 0)
+        i_tl = t_cap - 1 - i_g // n_grp1  # tile index inside the request
+    else:
+        # tile-major: heaviest tile first, all KV heads of a tile adjacent
+        i_h = i_p % num_kv_heads
+        i_tl = i_t - t_start
+    if i_tl * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + i_b)
+    ctx = seq_len - q_len  # positions of this step's queries: ctx .. seq_len-1
     mode = tl.load(head_modes + i_row * s_hm0 + i_h * s_hm1).to(tl.int32)
 
     o_m = tl.arange(0, BLOCK_M)
@@ -393,6 +423,7 @@ def prefill_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     use_tma: bool | None = None,
+    program_order: str = "long_first",
 ) -> torch.Tensor:
     """Hybrid FA/SSA/XA causal attention for a varlen batch over a paged KV cache (one launch).
 
@@ -415,11 +446,17 @@ def prefill_attention(
         use_tma: load the unmasked K/V tiles with TMA (tensor descriptors; Hopper+, block_size a
             multiple of block_n, see ``tma_unsupported``). None: when possible on sm_90+ (disable
             with ELASTIC_PREFILL_TMA=0); True: required (ValueError otherwise); False: never.
+        program_order: "long_first" (default): inside each request the FA/XA programs of every
+            query tile run before the SSA programs (heaviest tile first in both groups), so the
+            long programs start in waves that read K/V in step; "tile_major": heaviest tile first
+            with all KV heads of a tile adjacent (the first version; kept for the benchmark).
 
     Returns:
         out [T, Hq, D] in q's dtype. No host synchronisation.
     """
     check_tensor(q, "q", dim=3, dtypes=(torch.float16, torch.bfloat16, torch.float32), last_contiguous=True)
+    if program_order not in ("long_first", "tile_major"):
+        raise ValueError(f"program_order: expected 'long_first' or 'tile_major', got {program_order!r}")
     dev = q.device
     _nb, bs, hkv, d = check_cache_pair(key_cache, value_cache)
     if key_cache.dtype != q.dtype:
@@ -507,6 +544,7 @@ def prefill_attention(
         G=g, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=max(next_pow2(d), 16),
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, HAS_XA=has_xa,
         XA_BLOCK=xattn_block, DOT_PREC=dot_precision(q.dtype),
+        FA_FIRST=program_order == "long_first", BLOCK_H=max(next_pow2(hkv), 2),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
     if not auto_tma:

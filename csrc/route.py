@@ -67,36 +67,56 @@ def _sincos(x):
 
 
 @triton.jit
-def _pool_sums(key_cache, p_bt, i_h, k_first, k_end, k_step, pool_tokens, shift, inv_freq, s_kb, s_kt, s_kh,
+def _pool_step(x1, x2, xp, key_cache, p_bt, i_h, o_k, m_k, pool_tokens, shift, freq, s_kb, s_kt, s_kh,
                HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-               BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr):  # fmt: skip
-    """Sums over pooled positions k in [k_first, k_end) (runs of BLOCK_T tokens every k_step) of the
-    un-rotated keys of head i_h: first rotary half [BLOCK_HALF], second half, pass-through dims
-    [BLOCK_P] (position of pooled token k: k < pool_tokens ? k : k + shift). Not yet scaled."""
+               BLOCK_P: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """Adds the un-rotated keys of head i_h at pooled tokens o_k [BT] (m_k: valid) to the running sums:
+    first rotary half [BLOCK_HALF], second half, pass-through dims [BLOCK_P] (position of pooled
+    token k: k < pool_tokens ? k : k + shift). Not yet scaled."""
     o_i = tl.arange(0, BLOCK_HALF)
     m_i = o_i < HALF
-    o_p = tl.arange(0, BLOCK_P)
-    m_p = o_p < D - ROT
-    freq = tl.load(inv_freq + o_i, mask=m_i, other=0.0)  # [BHALF]
+    pos = tl.where(o_k < pool_tokens, o_k, o_k + shift)  # [BT]
+    i_blk = tl.load(p_bt + pos // BS, mask=m_k, other=0).to(tl.int64)
+    o_row = i_blk * s_kb + (pos % BS).to(tl.int64) * s_kt + i_h * s_kh  # [BT]
+    m_2 = m_k[:, None] & m_i[None, :]
+    p_y = key_cache + o_row[:, None] + o_i[None, :]
+    y1 = tl.load(p_y, mask=m_2, other=0.0).to(tl.float32)  # [BT, BHALF]
+    y2 = tl.load(p_y + HALF, mask=m_2, other=0.0).to(tl.float32)
+    sin, cos = _sincos(pos.to(tl.float32)[:, None] * freq[None, :])  # the reference's fp32 angle
+    x1 += tl.sum(y1 * cos + y2 * sin, 0)  # masked entries are 0 in y1 and y2
+    x2 += tl.sum(y2 * cos - y1 * sin, 0)
+    if ROT < D:
+        o_p = tl.arange(0, BLOCK_P)
+        yp = tl.load(key_cache + o_row[:, None] + ROT + o_p[None, :], mask=m_k[:, None] & (o_p < D - ROT)[None, :],
+                     other=0.0)  # fmt: skip
+        xp += tl.sum(yp.to(tl.float32), 0)
+    return x1, x2, xp
+
+
+@triton.jit
+def _pool_sums(key_cache, p_bt, i_h, k_first, k_end, k_step, pool_tokens, shift, inv_freq, s_kb, s_kt, s_kh,
+               HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+    """Sums (``_pool_step``) over pooled positions k in [k_first, k_end), runs of BLOCK_T tokens every
+    k_step. NT > 0: exactly NT steps, unrolled (k_end <= k_first + NT * k_step): their loads depend
+    on nothing of the steps before, so the block-id loads of every step can issue together, then the
+    key loads; the pool pays ~2 memory latencies instead of 2 per step (the runtime loop of 7 steps
+    was ~10 us of the 27 us per layer measured on the H200). NT = 0: a runtime loop (long pools)."""
+    o_i = tl.arange(0, BLOCK_HALF)
+    freq = tl.load(inv_freq + o_i, mask=o_i < HALF, other=0.0)  # [BHALF]
     x1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
     x2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
     xp = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for k0 in range(k_first, k_end, k_step):
-        o_k = k0 + tl.arange(0, BLOCK_T)
-        m_k = o_k < k_end
-        pos = tl.where(o_k < pool_tokens, o_k, o_k + shift)  # [BT]
-        i_blk = tl.load(p_bt + pos // BS, mask=m_k, other=0).to(tl.int64)
-        o_row = i_blk * s_kb + (pos % BS).to(tl.int64) * s_kt + i_h * s_kh  # [BT]
-        m_2 = m_k[:, None] & m_i[None, :]
-        p_y = key_cache + o_row[:, None] + o_i[None, :]
-        y1 = tl.load(p_y, mask=m_2, other=0.0).to(tl.float32)  # [BT, BHALF]
-        y2 = tl.load(p_y + HALF, mask=m_2, other=0.0).to(tl.float32)
-        sin, cos = _sincos(pos.to(tl.float32)[:, None] * freq[None, :])  # the reference's fp32 angle
-        x1 += tl.sum(y1 * cos + y2 * sin, 0)  # masked entries are 0 in y1 and y2
-        x2 += tl.sum(y2 * cos - y1 * sin, 0)
-        if ROT < D:
-            yp = tl.load(key_cache + o_row[:, None] + ROT + o_p[None, :], mask=m_k[:, None] & m_p[None, :], other=0.0)
-            xp += tl.sum(yp.to(tl.float32), 0)
+    if NT > 0:
+        for i_k in tl.static_range(NT):
+            o_k = k_first + i_k * k_step + tl.arange(0, BLOCK_T)
+            x1, x2, xp = _pool_step(x1, x2, xp, key_cache, p_bt, i_h, o_k, o_k < k_end, pool_tokens, shift, freq,
+                                    s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BS)  # fmt: skip
+    else:
+        for k0 in range(k_first, k_end, k_step):
+            o_k = k0 + tl.arange(0, BLOCK_T)
+            x1, x2, xp = _pool_step(x1, x2, xp, key_cache, p_bt, i_h, o_k, o_k < k_end, pool_tokens, shift, freq,
+                                    s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BS)  # fmt: skip
     return x1, x2, xp
 
 
@@ -115,7 +135,7 @@ def _route_pool_kernel(
     p_bt = block_table + tl.load(req_rows + i_r).to(tl.int64) * s_bt
     x1, x2, xp = _pool_sums(
         key_cache, p_bt, i_h, i_c * BLOCK_T, n_pool, NPOOL * BLOCK_T, pool_tokens, n_len - n_pool, inv_freq,
-        s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BLOCK_T, BS,
+        s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BLOCK_T, BS, 0,
     )  # fmt: skip
     p_o = ws_pool + ((i_r * HKV + i_h) * NPOOL + i_c).to(tl.int64) * D
     o_i = tl.arange(0, BLOCK_HALF)
@@ -133,6 +153,7 @@ def _route_task_kernel(
     HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, HID: tl.constexpr,
     NS1: tl.constexpr, FUSED_POOL: tl.constexpr, NPOOL: tl.constexpr, HAS_NORM: tl.constexpr,
+    NT_POOL: tl.constexpr,
 ):  # fmt: skip
     """Launch 1: pool head h (or sum the pooling launch's partials), Task MLP hidden slice s."""
     i_s = tl.program_id(0)
@@ -160,18 +181,17 @@ def _route_task_kernel(
         p_bt = block_table + tl.load(req_rows + i_r).to(tl.int64) * s_bt
         x1, x2, xp = _pool_sums(
             key_cache, p_bt, i_h, 0, n_pool, BLOCK_T, pool_tokens, n_len - n_pool, inv_freq,
-            s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BLOCK_T, BS,
+            s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BLOCK_T, BS, NT_POOL,
         )  # fmt: skip
     else:
-        x1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-        x2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-        xp = tl.zeros([BLOCK_P], dtype=tl.float32)
-        p_x = ws_pool + ((i_r * HKV + i_h) * NPOOL).to(tl.int64) * D
-        for i_c in range(NPOOL):  # fixed order: deterministic
-            x1 += tl.load(p_x + i_c * D + o_i, mask=m_i, other=0.0)
-            x2 += tl.load(p_x + i_c * D + HALF + o_i, mask=m_i, other=0.0)
-            if ROT < D:
-                xp += tl.load(p_x + i_c * D + ROT + o_p, mask=m_p, other=0.0)
+        # the NPOOL partials in one 2-D load each (one memory latency), summed by a fixed tree
+        p_x = ws_pool + ((i_r * HKV + i_h) * NPOOL).to(tl.int64) * D + tl.arange(0, NPOOL)[:, None] * D
+        x1 = tl.sum(tl.load(p_x + o_i[None, :], mask=m_i[None, :], other=0.0), 0)
+        x2 = tl.sum(tl.load(p_x + HALF + o_i[None, :], mask=m_i[None, :], other=0.0), 0)
+        if ROT < D:
+            xp = tl.sum(tl.load(p_x + ROT + o_p[None, :], mask=m_p[None, :], other=0.0), 0)
+        else:
+            xp = tl.zeros([BLOCK_P], dtype=tl.float32)
     inv_n = 1.0 / n_pool.to(tl.float32)
     x1 = x1 * (inv_n / attention_scaling)
     x2 = x2 * (inv_n / attention_scaling)
@@ -216,9 +236,15 @@ def _route_router_kernel(
     w4 = tl.load(p_w + OFF_W4 + o_d[None, :] * HID + o_j[:, None], mask=m_d[None, :], other=0.0)  # [CH, BD]
     i_rh = i_r * HKV + i_h
     f = tl.load(p_w + 2 * HID * D + HID + o_d, mask=m_d, other=0.0)  # b2
-    p_f = ws_f + (i_rh * NS1).to(tl.int64) * D
-    for i_p in range(NS1):  # fixed order: deterministic
-        f += tl.load(p_f + i_p * D + o_d, mask=m_d, other=0.0)
+    # the NS1 Task-MLP partials in one 2-D load (one memory latency, not NS1), a fixed-order tree sum
+    p_f = ws_f + (i_rh * NS1).to(tl.int64) * D + tl.arange(0, NS1)[:, None] * D + o_d[None, :]
+    f += tl.sum(tl.load(p_f, mask=m_d[None, :], other=0.0), 0)
+    # the finishing program's weights, loaded by every program before the counter (off the tail)
+    b4 = tl.load(p_w + OFF_W4 + D * HID + o_d, mask=m_d, other=0.0)
+    w5a = tl.load(p_w + OFF_W5 + o_d, mask=m_d, other=0.0)
+    w5b = tl.load(p_w + OFF_W5 + D + o_d, mask=m_d, other=0.0)
+    b5a = tl.load(p_w + OFF_W5 + 2 * D)
+    b5b = tl.load(p_w + OFF_W5 + 2 * D + 1)
     u = _silu(tl.sum(w3 * f[None, :], 1) + b3)  # [CH]
     v_part = tl.sum(w4 * u[:, None], 0)  # [BD]
     p_v = ws_v + (i_rh * NS2).to(tl.int64) * D
@@ -226,12 +252,12 @@ def _route_router_kernel(
     tl.debug_barrier()  # every thread's partial is written before the counter moves (release below)
     done = tl.atomic_add(cnt + i_rh, 1, sem="acq_rel")
     if done == NS2 - 1:
-        v = tl.load(p_w + OFF_W4 + D * HID + o_d, mask=m_d, other=0.0)  # b4
-        for i_p in range(NS2):  # fixed order: the result does not depend on which program is last
-            v += tl.load(p_v + i_p * D + o_d, mask=m_d, other=0.0, cache_modifier=".cg")
+        # all NS2 partials in one 2-D load; a fixed tree: the result does not depend on which program is last
+        p_vv = p_v + tl.arange(0, NS2)[:, None] * D + o_d[None, :]
+        v = b4 + tl.sum(tl.load(p_vv, mask=m_d[None, :], other=0.0, cache_modifier=".cg"), 0)
         v = _silu(v)
-        z0 = tl.sum(v * tl.load(p_w + OFF_W5 + o_d, mask=m_d, other=0.0), 0) + tl.load(p_w + OFF_W5 + 2 * D)
-        z1 = tl.sum(v * tl.load(p_w + OFF_W5 + D + o_d, mask=m_d, other=0.0), 0) + tl.load(p_w + OFF_W5 + 2 * D + 1)
+        z0 = tl.sum(v * w5a, 0) + b5a
+        z1 = tl.sum(v * w5b, 0) + b5b
         dec = tl.where(z1 > z0, fa_value, sa_value)  # ties -> SA, as torch.argmax
         i_slot = tl.load(slots + i_r).to(tl.int64)
         tl.store(table + i_slot * s_t0 + layer * s_t1 + i_h * s_t2, dec.to(table.dtype.element_ty))
@@ -338,6 +364,7 @@ class Router:
         self.task_meta = dict(
             self.pool_meta, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1,
             FUSED_POOL=self.fused_pool, NPOOL=POOL_PROGRAMS, HAS_NORM=norm is not None, num_warps=8,
+            NT_POOL=triton.cdiv(2 * n, 32) if self.fused_pool else 1,
         )  # fmt: skip
         self.router_meta = dict(HKV=hkv, D=d, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1, NS2=self.ns2,
                                 num_warps=4)  # fmt: skip
@@ -368,7 +395,9 @@ class Router:
         slots: torch.Tensor,
         layer: int,
         logits_out: torch.Tensor | None = None,
+        stages: tuple[str, ...] = ("task", "router"),
     ) -> None:
+        """Route at one layer. ``stages`` picks launches (the benchmark times each alone)."""
         R = req_rows.shape[0]
         if R == 0:
             return
@@ -376,22 +405,24 @@ class Router:
         ks = key_cache.stride()
         bts = block_table.stride(0)
         sw = self.weights.stride(0)
-        if not self.fused_pool:
+        if not self.fused_pool and "task" in stages:
             _route_pool_kernel[(POOL_PROGRAMS, self.hkv, R)](
                 key_cache, block_table, req_rows, prompt_lens, self.inv_freq, pool, ks[0], ks[1], ks[2], bts,
                 self.pool_tokens, NPOOL=POOL_PROGRAMS, num_warps=4, **self.pool_meta,
             )  # fmt: skip
-        _route_task_kernel[(self.ns1, self.hkv, R)](
-            key_cache, block_table, req_rows, prompt_lens, self.inv_freq, self.weights, pool, ws_f,
-            self.norm if self.norm is not None else self.weights,
-            ks[0], ks[1], ks[2], bts, sw, layer, self.pool_tokens, self.scaling, **self.task_meta,
-        )  # fmt: skip
+        if "task" in stages:
+            _route_task_kernel[(self.ns1, self.hkv, R)](
+                key_cache, block_table, req_rows, prompt_lens, self.inv_freq, self.weights, pool, ws_f,
+                self.norm if self.norm is not None else self.weights,
+                ks[0], ks[1], ks[2], bts, sw, layer, self.pool_tokens, self.scaling, **self.task_meta,
+            )  # fmt: skip
         ts = self.table.stride()
         has_lg = logits_out is not None
-        _route_router_kernel[(self.ns2, self.hkv, R)](
-            self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw, ts[0], ts[1], ts[2],
-            layer, self.fa_value, self.sa_value, HAS_LOGITS=has_lg, **self.router_meta,
-        )  # fmt: skip
+        if "router" in stages:
+            _route_router_kernel[(self.ns2, self.hkv, R)](
+                self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw,
+                ts[0], ts[1], ts[2], layer, self.fa_value, self.sa_value, HAS_LOGITS=has_lg, **self.router_meta,
+            )  # fmt: skip
 
 
 def route(
