@@ -590,8 +590,8 @@ def decode_splits_section() -> None:
         ref_out = {}
         for mode, share in (("dense", 0.0), ("sparse", 0.75)):
             hm = head_modes(share).expand(B, HKV).contiguous()
-            for mult in (1, 2, 4, 8):
-                ns = base * mult
+            for mult in (0.25, 0.5, 1, 2):
+                ns = max(1, round(base * mult))
                 fn = functools.partial(
                     decode_attention, q, kv[:, 0], kv[:, 1], bt, sl, hm, sink=SINK, window=WINDOW, max_seq_len=ctx,
                     out=out, num_splits=ns,

@@ -181,10 +181,15 @@ def default_decode_config(head_dim: int) -> dict:
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
-    """Splits per (request, KV head): enough programs to keep every SM busy (~8 per SM) while
-    each split keeps at least 8 key tiles. A function of Python ints only (CUDA-graph safe)."""
+    """Splits per (request, KV head): ~32 programs per SM over all (request, KV head) pairs, at most
+    one split per SM for a pair, and at least 8 key tiles per split. A function of Python ints only
+    (CUDA-graph safe). Why 32, not 8: with 75% SSA heads the work sits in the FA heads' quarter of
+    the programs, and the SSA heads use only the splits their few tiles need; on the H200 4x the
+    splits made 75%-SSA decode 11% faster at 32K x 16 (0.213 -> 0.190 ms) and 128K x 4
+    (0.185 -> 0.165 ms), and dense no slower (0.568 -> 0.534, 0.548 -> 0.542 ms)."""
+    sms = num_sms(device)
     tiles = max(triton.cdiv(max_seq_len, block_n), 1)
-    want = triton.cdiv(8 * num_sms(device), max(batch * num_kv_heads, 1))
+    want = min(triton.cdiv(32 * sms, max(batch * num_kv_heads, 1)), sms)
     return max(1, min(want, triton.cdiv(tiles, 8), 256))
 
 

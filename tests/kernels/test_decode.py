@@ -133,3 +133,17 @@ def test_decode_launcher_errors_name_the_argument():
         decode_attention(torch.zeros(2, 4, 8), *args[1:], hm, sink=1, window=2, max_seq_len=20)
     with pytest.raises(ValueError, match="num_splits"):
         decode_attention(*args, hm, sink=1, window=2, max_seq_len=20, num_splits=-1)
+
+
+def test_decode_num_splits_on_an_h200_sized_gpu(monkeypatch):
+    """The split counts chosen for 132 SMs at the e2e decode shapes (measured in the kernel benchmark's
+    decode_splits section): ~32 programs per SM, at most one split per SM per (request, head)."""
+    from elastic_vllm.csrc import decode
+
+    monkeypatch.setattr(decode, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    assert decode.decode_num_splits(16, 8, 32768, 64, dev) == 33  # 32K x 16
+    assert decode.decode_num_splits(4, 8, 131072, 64, dev) == 132  # 128K x 4
+    assert decode.decode_num_splits(1, 8, 131072, 64, dev) == 132  # one request: one split per SM
+    assert decode.decode_num_splits(64, 8, 32768, 64, dev) == 9
+    assert decode.decode_num_splits(1, 8, 2048, 64, dev) == 4  # >= 8 key tiles per split
