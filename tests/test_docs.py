@@ -129,9 +129,10 @@ def results_rows() -> list[str]:
     k = json.loads((RESULTS / "kernels-h200.json").read_text())
     pre = {(r["S"], r["d"], r.get("share"), r["method"]): r for r in k["prefill"]}
     p128 = pre[(131072, 128, 0.75, "ours")]
+    p32 = pre[(32768, 128, 0.75, "ours")]
+    tm128 = pre[(131072, 128, 0.75, "ours_tile_major")]
     sdpa128 = pre[(131072, 128, None, "sdpa_flash_dense")]
     dense32 = pre[(32768, 128, 0.0, "ours")]
-    d64 = pre[(131072, 64, 0.75, "ours")]
     dec = {(r["ctx"], r["B"], r["mode"]): r for r in k["decode"]}
     dd, ds = dec[(131072, 16, "dense")], dec[(131072, 16, "sparse")]
     router = next(r for r in k["router"] if r["prompt"] == 8192 and r["requests"] == 1)
@@ -140,11 +141,23 @@ def results_rows() -> list[str]:
         f"| Triton kernels vs SDPA / FlexAttention | {k['env']['gpu']}, bf16, {cfg['Hq']} q / {cfg['Hkv']} KV heads, "
         f"sink {cfg['sink']} + window {cfg['window']} | prefill 128K, Omega_MSR 0.75: {p128['ms']:.1f} ms vs "
         f"{sdpa128['ms']:.1f} ms SDPA flash dense ({p128['x_vs_sdpa']:.2f}x), {p128['x_vs_flex_hybrid']:.2f}x "
-        f"FlexAttention hybrid; dense 32K {dense32['TFLOPs']:.0f} TFLOP/s ({dense32['x_vs_sdpa']:.2f}x SDPA); "
-        f"head_dim 64: {d64['x_vs_flex_hybrid']:.2f}x FlexAttention (slower); decode 128K x 16: sparse "
+        f"FlexAttention hybrid ({tm128['ms']:.1f} ms with the first version's tile-major program order); 32K "
+        f"Omega_MSR 0.75: {p32['x_vs_flex_hybrid']:.2f}x FlexAttention hybrid; dense 32K {dense32['TFLOPs']:.0f} "
+        f"TFLOP/s ({dense32['x_vs_sdpa']:.2f}x SDPA); decode 128K x 16: sparse "
         f"{ds['x_vs_dense']:.2f}x dense, dense at {dd['frac_of_copy_bw']:.0%} of copy bandwidth; router "
-        f"{router['graph']['ms']:.2f} ms for {router['layers']} layers (8K prompt, CUDA graph) "
-        f"| {_link('benchmarks/results/kernels-h200.json')} |"
+        f"{router['graph']['ms']:.2f} ms for {router['layers']} layers (8K prompt, CUDA graph; launch 1 "
+        f"{router['graph_task_only_us_per_layer']:.1f} us, launch 2 {router['graph_router_only_us_per_layer']:.1f} us "
+        f"per layer) | {_link('benchmarks/results/kernels-h200.json')} |"
+    )
+    k4 = json.loads((RESULTS / "dev" / "kernels-4-h200-vector-map.json").read_text())
+    pre4 = {(r["S"], r["d"], r.get("share"), r["method"]): r for r in k4["prefill"]}
+    rows.append(
+        f"| dev: prefill kernel with the vector-cumsum long-first mapping (spills), full grid | {k4['env']['gpu']} | "
+        f"head_dim 64 (tuned: {k4['ours_config_by_head_dim']['64']}): 128K Omega_MSR 0.75 "
+        f"{pre4[(131072, 64, 0.75, 'ours')]['x_vs_flex_hybrid']:.2f}x FlexAttention, 32K dense "
+        f"{pre4[(32768, 64, 0.0, 'ours')]['x_vs_flex_hybrid']:.2f}x; 256K Omega_MSR 0.75 "
+        f"{pre4[(262144, 128, 0.75, 'ours')]['x_vs_flex_hybrid']:.2f}x FlexAttention "
+        f"| {_link('benchmarks/results/dev/kernels-4-h200-vector-map.json')} |"
     )
     c = json.loads((RESULTS / "check-kernels-h200.json").read_text())
     ok = sum(r["ok"] for r in c["results"])
@@ -182,7 +195,7 @@ def results_rows() -> list[str]:
         f"{m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA "
         f"| {_link('benchmarks/results/dev/router-train-1-h200/measure.md')} |"
     )
-    e = json.loads((RESULTS / "e2e-vllm-h200.json").read_text())
+    e = json.loads((RESULTS / "e2e-vllm-h200-llama.json").read_text())
     tt = {(r["len"], r["share"]): r for r in e["summary"]["ttft_speedup"] if r["budget_tokens"] == 16384}
     dc = {(r["ctx"], r["batch"], r["decode_mode"]): r for r in e["summary"]["decode_speedup"]}
     rows.append(
@@ -192,7 +205,7 @@ def results_rows() -> list[str]:
         f"{tt[(32768, 0.75)]['speedup']:.2f}x, 8K {tt[(8192, 0.75)]['speedup']:.2f}x; decode sparse 128K x 4 "
         f"{dc[(131072, 4, 'sparse')]['speedup']:.2f}x, 32K x 16 {dc[(32768, 16, 'sparse')]['speedup']:.2f}x; "
         f"dense 128K x 4 {dc[(131072, 4, 'dense')]['speedup']:.2f}x, 32K x 16 {dc[(32768, 16, 'dense')]['speedup']:.2f}x "
-        f"| {_link('benchmarks/results/e2e-vllm-h200.json')} |"
+        f"| {_link('benchmarks/results/e2e-vllm-h200-llama.json')} |"
     )
     rd = RESULTS / "router-train-smollm2-h200"
     m = json.loads((rd / "measure.json").read_text())
@@ -228,7 +241,8 @@ def results_rows() -> list[str]:
         f"{f['runs']['ref']['wall_s']:.0f} s | {_link('benchmarks/results/router-train-fsdp-h200x2/compare.json')} |"
     )
     v = json.loads((RESULTS / "check-vllm-h200.json").read_text())
-    res = [r for run in v["runs"] for r in run["results"]]
+    latest = {r["name"]: r for run in v["runs"] for r in run["results"]}  # a later run's result of a check wins
+    res = list(latest.values())
     rows.append(
         f"| vLLM checks on the GPU (demo model + Llama-3.1-8B shape) | {v['runs'][0]['env']['gpu']}, vLLM "
         f"{v['runs'][0]['env']['vllm']} | "
@@ -241,21 +255,6 @@ def results_rows() -> list[str]:
         f"{tp['env']['vllm']} | "
         + "; ".join(f"{r['name']} {'pass' if r['ok'] else 'FAIL'}" for r in tp["results"])
         + f" | {_link('benchmarks/results/check-tp-h200x2.json')} |"
-    )
-    e = json.loads((RESULTS / "e2e-vllm-h200-decode.json").read_text())
-    dc = {(r["ctx"], r["batch"], r["decode_mode"]): r for r in e["summary"]["decode_speedup"]}
-    rows.append(
-        f"| Decode in vLLM after balanced split-KV, elastic vs FLASH_ATTN (Omega_MSR 0.75) | {e['env']['gpu']}, "
-        f"vLLM {e['env']['vllm']} | sparse 32K x 16 {dc[(32768, 16, 'sparse')]['speedup']:.2f}x, 128K x 4 "
-        f"{dc[(131072, 4, 'sparse')]['speedup']:.2f}x; dense 32K x 16 {dc[(32768, 16, 'dense')]['speedup']:.2f}x, "
-        f"128K x 4 {dc[(131072, 4, 'dense')]['speedup']:.2f}x | {_link('benchmarks/results/e2e-vllm-h200-decode.json')} |"
-    )
-    kd = json.loads((RESULTS / "kernels-decode-h200.json").read_text())
-    dec = {(r["ctx"], r["B"], r["mode"]): r for r in kd["decode"]}
-    rows.append(
-        f"| Decode kernel after balanced split-KV | {kd['env']['gpu']} | 128K x 16: sparse "
-        f"{dec[(131072, 16, 'sparse')]['x_vs_dense']:.2f}x dense, dense {dec[(131072, 16, 'dense')]['TBps']:.2f} TB/s; "
-        f"32K x 16 sparse {dec[(32768, 16, 'sparse')]['x_vs_dense']:.2f}x | {_link('benchmarks/results/kernels-decode-h200.json')} |"
     )
     a = json.loads((RESULTS / "accuracy-smollm2-h200" / "results.json").read_text())
     rows.append(
