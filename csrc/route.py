@@ -267,9 +267,31 @@ def _route_router_kernel(
         tl.atomic_xchg(cnt + i_rh, 0)  # re-armed for the next layer (stream order)
 
 
+ROW_ALIGN = 16  # floats: packed rows start 64-byte aligned
+
+
 def router_param_count(head_dim: int, hidden: int) -> int:
     """Floats per layer in the packed layout: W1 b1 W2 b2 (Task MLP), W3 b3 W4 b4 W5 b5 (Router MLP)."""
     return 4 * hidden * head_dim + 2 * hidden + 4 * head_dim + 2
+
+
+def packed_row_len(head_dim: int, hidden: int) -> int:
+    """Row length of ``pack_router_weights``: the parameters, zero-padded to a multiple of ROW_ALIGN floats.
+    Why: with 263,682 floats per row at d 128 every other layer's row started 8 bytes off a 16-byte boundary,
+    and the sm_90 build of both router kernels loaded every weight with 4-byte loads (75 of 91 loads of the
+    Task-MLP kernel were LDG.E); a 16-float row stride lets Triton prove 16-byte alignment (LDG.E.128)."""
+    n = router_param_count(head_dim, hidden)
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
+
+
+def _hidden_of_row(p: int, head_dim: int) -> int | None:
+    """The hidden width (a power of two >= 16) whose packed row, padded or not, has p floats."""
+    h = 16
+    while router_param_count(head_dim, h) <= p:
+        if p in (router_param_count(head_dim, h), packed_row_len(head_dim, h)):
+            return h
+        h *= 2
+    return None
 
 
 def pack_router_norm(router) -> torch.Tensor | None:
@@ -281,7 +303,8 @@ def pack_router_norm(router) -> torch.Tensor | None:
 
 def pack_router_weights(router) -> torch.Tensor:
     """[L, P] float32 contiguous: each row the layer's weights in nn.Linear order
-    (W1 [4d, d], b1, W2 [d, 4d], b2, W3 [4d, d], b3, W4 [d, 4d], b4, W5 [2, d], b5).
+    (W1 [4d, d], b1, W2 [d, 4d], b2, W3 [4d, d], b3, W4 [d, 4d], b4, W5 [2, d], b5), then zeros up to
+    ``packed_row_len`` (aligned rows; ``Router`` also accepts unpadded rows of ``router_param_count``).
 
     ``router`` is an ``ElasticRouter`` (anything with ``.layers[i].cls_feat_extractor`` and
     ``.cls_router_head_agnostic`` Sequentials). Pack once at load time, not per step.
@@ -291,7 +314,9 @@ def pack_router_weights(router) -> torch.Tensor:
         t, r = lr.cls_feat_extractor, lr.cls_router_head_agnostic
         parts = [t[0].weight, t[0].bias, t[2].weight, t[2].bias]
         parts += [r[0].weight, r[0].bias, r[2].weight, r[2].bias, r[4].weight, r[4].bias]
-        rows.append(torch.cat([p.detach().float().reshape(-1) for p in parts]))
+        row = torch.cat([p.detach().float().reshape(-1) for p in parts])
+        pad = -row.numel() % ROW_ALIGN
+        rows.append(torch.cat([row, row.new_zeros(pad)]))
     return torch.stack(rows).contiguous()
 
 
@@ -328,8 +353,8 @@ class Router:
         if not weights.is_contiguous():
             raise ValueError("weights: must be contiguous (use pack_router_weights)")
         num_layers, p = weights.shape
-        hidden, rem = divmod(p - 4 * d - 2, 4 * d + 2)
-        if rem or hidden < 16 or hidden & (hidden - 1):
+        hidden = _hidden_of_row(p, d)
+        if hidden is None:
             raise ValueError(f"weights: {p} floats per layer is not a packed router for head_dim {d}")
         check_tensor(table, "table", dim=3, dtypes=MODE_DTYPES, shape=(None, num_layers, hkv), device=dev)
         check_tensor(inv_freq, "inv_freq", dim=1, dtypes=(torch.float32,), device=dev)

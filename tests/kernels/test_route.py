@@ -6,7 +6,14 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from elastic_vllm.csrc.route import _sincos, pack_router_norm, pack_router_weights, route, router_param_count
+from elastic_vllm.csrc.route import (
+    _sincos,
+    pack_router_norm,
+    pack_router_weights,
+    packed_row_len,
+    route,
+    router_param_count,
+)
 from kutils import no_host_sync, strided_caches
 
 from elastic_vllm.reference.paged import make_paged_batch
@@ -136,9 +143,27 @@ def test_route_small_pool_and_row_subset():
 def test_packed_weights_layout():
     router = ElasticRouter(2, 32)
     w = pack_router_weights(router)
-    assert w.shape == (2, router_param_count(32, 128)) == (2, num_parameters_per_layer(32))
+    n = router_param_count(32, 128)
+    assert n == num_parameters_per_layer(32)
+    assert w.shape == (2, packed_row_len(32, 128)) and w.shape[1] % 16 == 0 and 0 < w.shape[1] - n < 16
     assert torch.equal(w[1, : 128 * 32], router.layers[1].cls_feat_extractor[0].weight.flatten())
-    assert torch.equal(w[0, -2:], router.layers[0].cls_router_head_agnostic[4].bias)
+    assert torch.equal(w[0, n - 2 : n], router.layers[0].cls_router_head_agnostic[4].bias)
+    assert not w[:, n:].any()
+
+
+def test_route_accepts_unpadded_rows():
+    """Rows of exactly router_param_count floats (no alignment padding) give the same logits."""
+    batch, spec, router, rows, plens = make_case([90, 33], seed=4)
+    padded = pack_router_weights(router)
+    bare = padded[:, : router_param_count(32, 128)].contiguous()
+    out = []
+    for w in (padded, bare):
+        lg = torch.full((2, 4, 2), float("nan"))
+        route(batch.key_cache, batch.block_table, rows, plens, rows, w, 1, torch.zeros(2, 3, 4, dtype=torch.int8),
+              inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, logits_out=lg)  # fmt: skip
+        out.append(lg)
+    assert not out[0].isnan().any()
+    torch.testing.assert_close(out[0], out[1], atol=LOGIT_ATOL, rtol=1e-5)
 
 
 def test_route_no_host_sync():
