@@ -542,7 +542,9 @@ class EngineState(compat.RunnerObserver):
         logits, fa, modes, pooled = route_layer(
             layer, key_cache, rb, self.router, self.rope, self.cfg, self.num_kv_heads, self.kernel_router
         )
-        row_modes = torch.where(rb.decode_phase[:, None], decode_modes(modes, self.cfg.decode_mode), modes)
+        row_modes = modes
+        if rb.any_decode_phase:
+            row_modes = torch.where(rb.decode_phase[:, None], decode_modes(modes, self.cfg.decode_mode), modes)
         self.row_modes[layer].index_copy_(0, rb.rows, row_modes.to(self.row_modes.dtype))
         if rb.final_idx.numel():
             f = rb.final_idx

@@ -23,7 +23,7 @@ from elastic_vllm.router.model import ElasticRouter, decide, pool_keys
 from elastic_vllm.vllm_plugin import observe
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops, torch_attention
 from elastic_vllm.vllm_plugin.overrides import effective_force, request_override
-from elastic_vllm.vllm_plugin.routing import decode_modes
+from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch, decode_modes, route_layer
 from elastic_vllm.vllm_plugin.state import EngineState, global_kv_heads
 
 from .routers import head_selecting_rules, linear_router, prompt_splitting_rule, save_test_router
@@ -81,6 +81,32 @@ def test_decode_modes():
     m = torch.tensor([FA, SSA, XA], dtype=torch.int8)
     assert decode_modes(m, "dense").tolist() == [FA, FA, FA]
     assert decode_modes(m, "sparse").tolist() == [FA, SSA, FA]
+
+
+def test_route_batch_host_flags_skip_only_no_op_glue():
+    """The per-layer glue skips the force / decode-phase ops when no row needs them (host facts of the
+    batch); with them present it applies them, and the skipping path gives the same decisions."""
+    from elastic_vllm.config import ElasticConfig
+
+    batch = make_paged_batch([40, 30], [40, 30], 4, 2, 16, block_size=16, generator=torch.Generator().manual_seed(2))
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    rope = RopeSpec(inv, 1.0, 16, 16)
+    torch.manual_seed(0)
+    router = ElasticRouter(2, 16)
+    cfg = ElasticConfig()
+    auto = [RouteRow(0, 40, "auto", False, 3), RouteRow(1, 30, "auto", False, None)]
+    rb = build_route_batch(auto, batch.block_table, 16, "boundary", 100)
+    assert (rb.any_forced, rb.any_decode_phase) == (False, False)
+    assert rb.rows_i32.dtype == torch.int32 and rb.rows_i32.tolist() == [0, 1]
+    forced = [RouteRow(0, 40, "all-SA", True, 3), RouteRow(1, 30, "auto", False, None)]
+    rbf = build_route_batch(forced, batch.block_table, 16, "boundary", 100)
+    assert (rbf.any_forced, rbf.any_decode_phase) == (True, True)
+    _, fa, modes, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+    _, fa_f, _, _ = route_layer(1, batch.key_cache, rbf, router, rope, cfg, 2)
+    assert not fa_f[0].any() and torch.equal(fa_f[1], fa[1])  # forced row all SA, the auto row unchanged
+    rb.any_forced = True  # the full path on the same auto rows: same decisions
+    _, fa_full, modes_full, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+    assert torch.equal(fa_full, fa) and torch.equal(modes_full, modes)
 
 
 def test_prerope_keys_invert_vllms_own_rope():
