@@ -249,6 +249,14 @@ def results_rows() -> list[str]:
         + "; ".join(f"{r['name']} {'pass' if r['ok'] else 'FAIL'}" for r in res)
         + f" | {_link('benchmarks/results/check-vllm-h200.json')} |"
     )
+    v5 = json.loads((RESULTS / "dev" / "check-vllm-5-h200.json").read_text())
+    res5 = [r for run in v5["runs"] for r in run["results"]]
+    rows.append(
+        f"| dev: previous vLLM checks on the GPU (commit {v5['runs'][0]['env']['git_commit'][:7]}) | "
+        f"{v5['runs'][0]['env']['gpu']}, vLLM {v5['runs'][0]['env']['vllm']} | "
+        + "; ".join(f"{r['name']} {'pass' if r['ok'] else 'FAIL'}" for r in res5)
+        + f" | {_link('benchmarks/results/dev/check-vllm-5-h200.json')} |"
+    )
     tp = json.loads((RESULTS / "check-tp-h200x2.json").read_text())
     rows.append(
         f"| Tensor parallelism 2 in vLLM (Llama-3.1-8B attention shape, 4 layers) | 2 x {tp['env']['gpu']}, vLLM "
