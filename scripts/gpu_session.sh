@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H200 (no network): stage vLLM 0.26, then run the checks, training and
 # benchmarks. Each step is one `device run` call, back to back (the machine keeps /tmp ~30 s idle).
-#   bash scripts/gpu_session.sh stage N     # N = 1..4: copy .vllm-gpu/cN (built by build-bundle.sh) to /tmp/stage;
-#                                           # .gpu-carry (router data) when carried (with c4: 64 MiB), 2 installs .whl/gguf
+#   bash scripts/gpu_session.sh stage N     # N = 1..5: copy .vllm-gpu/cN (built by scripts/gpu_bundle.sh: parts that fit
+#                                           # one call with the tree) to /tmp/stage; .gpu-carry (router data) when
+#                                           # carried (mind the 64 MiB per call), 2 installs .whl/gguf
 #   bash scripts/gpu_session.sh unpack      # unpack vLLM to /tmp/vsite, convert the demo model (from the carried GGUF)
 #   bash scripts/gpu_session.sh check_train # check_vllm.py (P4) and router training (P3) side by side
 #   bash scripts/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7)
@@ -11,7 +12,7 @@
 # Two-GPU machine (nvidia-h200-x2), trainers in the background while vLLM is staged and checked:
 #   train_only (carry .gpu-gguf/a .gpu-carry .whl), then `train_bg` (carry .gpu-gguf/b .whl): recipes
 #   VARIANT_A / VARIANT_B start detached on GPU $TRAIN_GPU from a copy of the tree (/tmp/tree-train);
-#   stage 1..4 + unpack; check (CHECKS on GPU 0); collect_train (waits, tars, picks /tmp/router);
+#   stage 1..5 + unpack; check (CHECKS on GPU 0); collect_train (waits, tars, picks /tmp/router);
 #   fsdp (torchrun over both GPUs with VARIANT_A's recipe and step count, compared with run A) + tp
 #   (tests/gpu/check_tp.py); eval_bg (accuracy on GPU 1, detached) + e2e; collect_eval.
 # Results go to $OUT; GIT_COMMIT must be set by the caller (the device gets the tree without .git).
