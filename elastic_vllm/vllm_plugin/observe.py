@@ -55,6 +55,7 @@ class Counters:
     routed_rows: int = 0  # (row, step) pairs the router ran for (final and prefix routings)
     final_routings: int = 0  # requests whose routing became final (== on_routing_final calls)
     rerouted: int = 0  # routings recomputed after preemption
+    warmup_routings: int = 0  # vLLM's own warmup requests (V2 runner): routed, not recorded as requests
     reroute_mismatches: int = 0  # ... that differed from the first decision
     invalid_overrides: int = 0  # unknown elastic_force values that reached the worker
     mixed_steps: int = 0  # steps whose batch mixed rows with a final routing (decodes) and rows routed now

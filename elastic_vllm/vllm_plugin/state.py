@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -174,6 +175,18 @@ def parse_additional_config(vllm_config) -> tuple[ElasticConfig, str | None]:
     return ElasticConfig.parse(extra.get("elastic")), extra.get("elastic_ops")
 
 
+# Request ids vLLM 0.26's model runner V2 gives the requests of its kernel warm-up, which it runs through
+# execute_model like scheduled requests (vllm/v1/worker/gpu/warmup.py: warmup_kernels, min(max_num_seqs, ...)
+# requests of 2 tokens; run_mixed_prefill_decode_warmup). They are routed like any request (the warm-up must
+# compile what real requests run) but are no requests of a client: recording them put max_num_seqs phantom
+# Omega observations on /metrics (the TP=2 H200 check: 12 observations for 4 requests, the 8 extra all 0.5).
+VLLM_WARMUP_REQ_ID = re.compile(r"_warmup_\d+_|_v2_mixed_warmup_(?:decode|prefill)_")
+
+
+def is_vllm_warmup_request(req_id: str) -> bool:
+    return VLLM_WARMUP_REQ_ID.fullmatch(req_id) is not None
+
+
 @dataclass
 class RequestState:
     req_id: str
@@ -189,6 +202,7 @@ class RequestState:
     router_time: float = 0.0
     first_decisions: torch.Tensor | None = None
     xa_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, head) -> [nb, nb]
+    warmup: bool = False  # one of vLLM's own warm-up requests: routed, never recorded
 
 
 class _Timer:
@@ -435,6 +449,7 @@ class EngineState(compat.RunnerObserver):
             override=override,
             force=effective_force(override, self.cfg.force),
             sa_share=sa_share,
+            warmup=is_vllm_warmup_request(nr.req_id),
         )
 
     def _readmit(self, rid: str) -> None:
@@ -602,6 +617,9 @@ class EngineState(compat.RunnerObserver):
                 continue
             st.recorded = True
             st.first_decisions = fa[i]
+            if st.warmup:  # every TP rank sees the same warm-up requests: the gather below stays aligned
+                observe.COUNTERS.warmup_routings += 1
+                continue
             fresh.append((i, st, self._esr(st, modes[i])))
             st.xa_rows.clear()
         if not fresh:

@@ -353,6 +353,36 @@ def test_per_request_routing_lifecycle(tmp_path, runner, chunk_routing):
     assert st.live_request_ids() == ["A"] and (modes == FA).all()
 
 
+def test_vllm_warmup_requests_are_routed_but_not_recorded(tmp_path):
+    """vLLM 0.26's V2 runner warms up through execute_model with requests '_warmup_{i}_' (2-token prompts):
+    they are routed like any request, but no routing event / metric is recorded for them."""
+    from elastic_vllm.vllm_plugin.state import is_vllm_warmup_request
+
+    assert is_vllm_warmup_request("_warmup_0_") and is_vllm_warmup_request("_warmup_12_")
+    assert is_vllm_warmup_request("_v2_mixed_warmup_decode_") and is_vllm_warmup_request("_v2_mixed_warmup_prefill_")
+    for rid in ("0", "cmpl-1", "_warmup_x_", "_warmup_1", "x_warmup_1_", "_warmup_1_tail"):
+        assert not is_vllm_warmup_request(rid), rid
+    lens = {"_warmup_0_": 2, "_warmup_1_": 2, "A": 40}
+    rope = RopeSpec.from_hf_config(fake_vllm_config({}).model_config.hf_config)
+    sim = PagedSim(lens, rope, seed=4)
+    torch.manual_seed(4)
+    path = save_test_router(ElasticRouter(L, D), tmp_path / "r", HKV)
+    st = EngineState(fake_vllm_config({"elastic": {"router_path": str(path), "pool_tokens": 8}}, use_v2=True))
+    st.attach(torch.device("cpu"), max_rows=4, max_slots=4, block_size=BS)
+    observe.clear()
+    before = observe.COUNTERS.warmup_routings
+    rows = ["_warmup_0_", "_warmup_1_", "A"]
+    so = SchedOut([NewReq(r, [0] * lens[r]) for r in rows], Cached(), dict(lens))
+    plan, _ = run_step(st, sim, so, rows, [2, 2, 40], [2, 2, 40], req_idx=[0, 1, 2])
+    assert sorted(rr.row for rr in plan.route.host) == [0, 1, 2]  # all three routed
+    assert [e.req_id for e in observe.events()] == ["A"]
+    assert observe.COUNTERS.warmup_routings - before == 2
+    so = SchedOut([], Cached(), {}, finished_req_ids={"_warmup_0_", "_warmup_1_"})
+    st.on_step_begin(so)
+    st.on_step_end()
+    assert st.live_request_ids() == ["A"]
+
+
 def test_decode_sparse_and_readmission_reroutes_identically(tmp_path):
     lens = {"A": 120}
     rope = RopeSpec.from_hf_config(fake_vllm_config({}).model_config.hf_config)
