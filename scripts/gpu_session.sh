@@ -69,7 +69,7 @@ case "$step" in
   check)
     M=$(demo)
     CUDA_VISIBLE_DEVICES=${CHECK_GPU:-0} timeout ${CHECK_TIMEOUT:-480} python3 tests/gpu/check_vllm.py --model "$M" \
-      --out "$OUT/check_vllm.json" --checks ${CHECKS:-all_fa,graphs,needle,batch,long} 2>&1 \
+      --out "$OUT/check_vllm.json" --checks ${CHECKS:-all_fa,graphs,needle,batch,long,metrics} 2>&1 \
       | grep -vE "^(INFO|DEBUG|\(EngineCore)" | tail -40 || true
     bash "$0" bg_status ;;
   collect_train)

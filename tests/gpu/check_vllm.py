@@ -30,6 +30,10 @@ directly (no pip install needed on a bare checkout). Checks, one JSON row each (
   1e-3 (tests/vllm_cpu/helpers.LOGIT_EPS: float32 keys of two engines agree to ~1e-5), and the logits close.
 - long: a Llama-3.1-8B-shaped model with dummy weights serves one --long-len token prompt (random ids), auto
   (random router) and all-FA; reports the prefill times and Omega_MSR.
+- metrics: the process's Prometheus registry holds one elastic:request_omega_msr observation per served
+  request and none from engine startup, with the V2 runner (0.26's default), whose kernel warm-up runs
+  max_num_seqs '_warmup_<i>_' requests through the model (these were recorded before: the TP=2 check's 8
+  extra observations); reports how many warm-up requests were routed.
 """
 
 from __future__ import annotations
@@ -383,6 +387,36 @@ def check_long(name, t0):
     record(name, msr is not None, time.perf_counter() - t0, prompt_tokens=n, seconds=times, omega_msr=msr)
 
 
+def _omega_observations() -> float:
+    """elastic:request_omega_msr observations in this process's Prometheus registry (every label set)."""
+    from prometheus_client import REGISTRY
+
+    return sum(
+        s.value
+        for m in REGISTRY.collect()
+        if m.name == "elastic:request_omega_msr"
+        for s in m.samples
+        if s.name.endswith("_count")
+    )
+
+
+def check_metrics(name, t0):
+    from elastic_vllm.vllm_plugin import observe
+
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # 0.26's default runner, whose warm-up runs requests
+    before, warm0 = _omega_observations(), observe.COUNTERS.warmup_routings
+    with tempfile.TemporaryDirectory() as td:
+        router = needle_router(Path(td))
+        llm = llm_(ARGS.model, attention_backend="elastic", additional_config={"elastic": {"router_path": str(router)}})
+        at_start = _omega_observations() - before
+        warm = observe.COUNTERS.warmup_routings - warm0
+        outs = llm.generate(chat_prompts(llm.get_tokenizer())[:5], greedy(4), use_tqdm=False)
+        served = _omega_observations() - before - at_start
+        close_llm(llm)
+    record(name, at_start == 0 and served == len(outs), time.perf_counter() - t0, requests=len(outs),
+           omega_observations=served, observations_at_startup=at_start, vllm_warmup_requests_routed=warm)  # fmt: skip
+
+
 CHECKS = {
     "all_fa": [("all_fa_v2", check_all_fa("v2")), ("all_fa_v1", check_all_fa("v1"))],
     "graphs": [("graphs", check_graphs)],
@@ -390,6 +424,7 @@ CHECKS = {
     "batch": [("batch", check_batch)],
     "long": [("long", check_long)],
     "trained": [("trained", check_trained)],
+    "metrics": [("metrics", check_metrics)],
 }
 
 
