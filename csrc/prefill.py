@@ -236,7 +236,7 @@ def _prefill_kernel(
     BLOCK_H: tl.constexpr,
 ):
     i_p = tl.program_id(0)
-    # requests in reverse order of their tile ranges (request b owns query tiles [start_b, start_b+1),
+    # requests in reverse order of their tile ranges (request b owns query tiles [start_b, start_{b+1}),
     # start_b = query_start_loc[b] // BLOCK_Q + b); i_t is any tile of the request this program falls in
     i_t = n_tiles - 1 - i_p // num_kv_heads
     # request of this tile: the largest b with query_start_loc[b] // BLOCK_Q + b <= i_t
@@ -264,7 +264,7 @@ def _prefill_kernel(
         # then the SSA heads the same way. Long programs of one wave then walk K/V in step and share
         # it through L2; mixed in with short SSA programs they start staggered, walk different K/V
         # tiles and, at 128K where one head's K/V (64 MB) outgrows L2, the hybrid turned HBM-bound.
-        # scalar loads and scalar arithmetic only: i_h stays a uniform value (a tl.sum/cumsum over a
+        # Scalar loads and scalar arithmetic only, so i_h stays a uniform value (a tl.sum/cumsum over a
         # head vector made it per-thread, and every K/V address derived from it with it: +8 / +26
         # spilled registers in the sm_90 build, 7% slower dense tiles)
         p_md = head_modes + i_row * s_hm0
