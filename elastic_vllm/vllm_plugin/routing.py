@@ -54,14 +54,14 @@ class RouteBatch:
     final_idx: torch.Tensor  # [F] long: routing rows whose routing is final
     final_slots: torch.Tensor  # [F] long: their routing-table slots
     any_auto: bool  # some row needs the router (not every row forced)
+    # host facts of the rows, so the per-layer glue launches no op that would change nothing (the H200
+    # e2e run: 12-14 ms of router-step time per 8K prefill, ~0.4 ms per layer, mostly launch gaps)
+    any_forced: bool  # some row is all-FA / all-SA
+    any_decode_phase: bool  # some row's queries are past its prompt
+    rows_i32: torch.Tensor  # [R] int32: rows, for the router kernel (cast once per step)
     host: list[RouteRow]
     share_idx: torch.Tensor | None = None  # [S] long: routing rows with a fixed SA share
     share_fa: torch.Tensor | None = None  # [S, L, Hkv] bool: their fixed decisions (True = FA)
-    # host facts of the rows, so the per-layer glue launches no op that would change nothing: on the
-    # H200 the routed step's glue cost ~0.4 ms per layer of mostly launch gaps (12-14 ms per 8K prefill)
-    rows_i32: torch.Tensor | None = None  # [R] int32: rows, for the router kernel (cast once per step)
-    any_forced: bool = True  # some row is all-FA / all-SA
-    any_decode_phase: bool = True  # some row's queries are past its prompt
 
 
 def fixed_share_fa(share: float, num_layers: int, kv_heads: Sequence[int], total_kv_heads: int) -> torch.Tensor:
@@ -129,12 +129,12 @@ def build_route_batch(
         final_idx=torch.tensor([i for i, _ in final], dtype=torch.long).to(dev, non_blocking=True),
         final_slots=torch.tensor([s for _, s in final], dtype=torch.long).to(dev, non_blocking=True),
         any_auto=any(r.force == "auto" for r in rows),
+        any_forced=any(r.force != "auto" for r in rows),
+        any_decode_phase=any(r.decode_phase for r in rows),
+        rows_i32=batch_rows.to(torch.int32),
         host=rows,
         share_idx=share_idx,
         share_fa=share,
-        rows_i32=torch.tensor([r.row for r in rows], dtype=torch.int32).to(dev, non_blocking=True),
-        any_forced=any(r.force != "auto" for r in rows),
-        any_decode_phase=any(r.decode_phase for r in rows),
     )
 
 
@@ -228,13 +228,12 @@ class TritonRouter:
         self._prepared: dict[tuple, object] = {}  # csrc.route.Router per (block size, pooling): checked once
 
     def _launcher(self, key_cache: torch.Tensor, cfg: ElasticConfig):
-        from elastic_vllm.csrc.route import Router
+        from elastic_vllm.csrc.route import Router, check_key_cache
 
         key = (key_cache.shape[1], key_cache.shape[2], key_cache.shape[3], cfg.pool_tokens, cfg.pooling)
         r = self._prepared.get(key)
         if r is None:
-            if key_cache.stride(-1) != 1:
-                raise ValueError(f"key_cache: last dimension must be contiguous, got strides {key_cache.stride()}")
+            check_key_cache(key_cache)
             r = self._prepared[key] = Router(
                 self.weights, self.scratch, inv_freq=self.inv_freq, num_kv_heads=key_cache.shape[2],
                 head_dim=key_cache.shape[3], block_size=key_cache.shape[1], attention_scaling=self.scaling,
@@ -247,6 +246,5 @@ class TritonRouter:
         launcher validated once (the checked ``csrc.route.route`` re-validated and rebuilt it per layer)."""
         R = rb.rows.numel()
         out = torch.empty(R, key_cache.shape[2], 2, dtype=torch.float32, device=key_cache.device)
-        rows = rb.rows_i32 if rb.rows_i32 is not None else rb.rows.to(torch.int32)
-        self._launcher(key_cache, cfg)(key_cache, rb.block_table, rows, rb.ends, self.slots[:R], layer, out)
+        self._launcher(key_cache, cfg)(key_cache, rb.block_table, rb.rows_i32, rb.ends, self.slots[:R], layer, out)
         return out

@@ -179,7 +179,8 @@ def parse_additional_config(vllm_config) -> tuple[ElasticConfig, str | None]:
 # execute_model like scheduled requests (vllm/v1/worker/gpu/warmup.py: warmup_kernels, min(max_num_seqs, ...)
 # requests of 2 tokens; run_mixed_prefill_decode_warmup). They are routed like any request (the warm-up must
 # compile what real requests run) but are no requests of a client: recording them put max_num_seqs phantom
-# Omega observations on /metrics (the TP=2 H200 check: 12 observations for 4 requests, the 8 extra all 0.5).
+# Omega observations on /metrics (the TP=2 H200 check: 12 observations for 4 requests, the 8 extra summing to
+# exactly 4.0).
 VLLM_WARMUP_REQ_ID = re.compile(r"_warmup_\d+_|_v2_mixed_warmup_(?:decode|prefill)_")
 
 
