@@ -79,9 +79,10 @@ K = 1024
 
 
 # ============================================================================ plan (jobs and tasks)
-def _ttft(prio, length, share=None, reps=3, budget_tokens=None, force=None, label=None, mode=None):
+def _ttft(prio, length, share=None, reps=3, budget_tokens=None, force=None, label=None, mode=None, profile=False):
     return {"kind": "ttft", "prio": prio, "len": length, "share": share, "reps": reps,
-            "budget_tokens": budget_tokens, "force": force, "label": label, "mode": mode}  # fmt: skip
+            "budget_tokens": budget_tokens, "force": force, "label": label, "mode": mode,
+            "profile": profile}  # fmt: skip
 
 
 def _decode(prio, ctx, batch, share=None, modes=None, steps=48):
@@ -89,10 +90,10 @@ def _decode(prio, ctx, batch, share=None, modes=None, steps=48):
             "decode_modes": modes, "steps": steps}  # fmt: skip
 
 
-def _job(name, model, backend, tasks, max_model_len, graphs=True, max_num_seqs=16, extra=None):
+def _job(name, model, backend, tasks, max_model_len, graphs=True, max_num_seqs=16, extra=None, block_size=None):
     return {"name": name, "model": model, "backend": backend, "mode": "FA-SSA", "tasks": tasks,
             "max_model_len": max_model_len, "graphs": graphs, "max_num_seqs": max_num_seqs,
-            "elastic": extra or {}}  # fmt: skip
+            "elastic": extra or {}, "block_size": block_size}  # fmt: skip
 
 
 def demo_tasks(prio: int, lens, reps: int = 3) -> list[dict]:
@@ -107,24 +108,30 @@ def demo_tasks(prio: int, lens, reps: int = 3) -> list[dict]:
 
 def gpu_plan() -> list[dict]:
     """Priorities: 1 Llama TTFT 32K/128K (FLASH_ATTN, elastic 0.75; 0.5 at 32K) - 2 the same at 8K and 0.5
-    at 128K - 3 decode 32Kx16 / 128Kx4 (FLASH_ATTN; elastic 0.75 dense and sparse) - 4 demo model (auto
-    routing FA-SSA, FA-XA, XA-SSA) - 5 TRITON_ATTN 8K/32K - 6 serve-default budget 8192 - 7 Qwen3-8B -
-    8 256K. A baseline-only job of a pair (demo, Qwen3, 256K) gets +0.5, so that it runs only when the
+    at 128K; 2.5 one profiled 8K request each - 3 decode 32Kx16 / 128Kx4 (FLASH_ATTN; elastic 0.75 dense and
+    sparse) - 3.5 elastic at block size 128 - 4 demo model (auto routing FA-SSA, FA-XA, XA-SSA) - 5 TRITON_ATTN
+    8K/32K - 6 serve-default budget 8192 - 7 Qwen3-8B - 8 256K. A baseline-only job of a pair (demo, Qwen3, 256K) gets +0.5, so that it runs only when the
     elastic job after it fits too."""
     L8, Q8 = "llama-3.1-8b", "qwen3-8b"
     mml = 128 * K + MARGIN
     fa = [_ttft(1, 32 * K), _ttft(1, 128 * K), _ttft(2, 8 * K), _decode(3, 32 * K, 16), _decode(3, 128 * K, 4),
-          _ttft(6, 32 * K, budget_tokens=8192), _ttft(6, 128 * K, budget_tokens=8192, reps=1)]  # fmt: skip
+          _ttft(6, 32 * K, budget_tokens=8192), _ttft(6, 128 * K, budget_tokens=8192, reps=1),
+          _ttft(2.5, 8 * K, reps=1, profile=True, label="FLASH_ATTN profiled")]  # fmt: skip
     el = [_ttft(1, 32 * K, 0.75), _ttft(1, 32 * K, 0.5), _ttft(1, 128 * K, 0.75), _ttft(2, 128 * K, 0.5),
           _ttft(2, 8 * K, 0.75), _ttft(2, 8 * K, 0.5),
           _decode(3, 32 * K, 16, 0.75, ["dense", "sparse"]), _decode(3, 128 * K, 4, 0.75, ["dense", "sparse"]),
-          _ttft(6, 32 * K, 0.75, budget_tokens=8192), _ttft(6, 128 * K, 0.75, budget_tokens=8192, reps=1)]  # fmt: skip
+          _ttft(6, 32 * K, 0.75, budget_tokens=8192), _ttft(6, 128 * K, 0.75, budget_tokens=8192, reps=1),
+          _ttft(2.5, 8 * K, 0.5, reps=1, profile=True, label="elastic FA-SSA share 0.5 profiled")]  # fmt: skip
+    # the block size the csrc kernels are fastest at (one block-table read per 128-key tile): `--block-size 128`
+    el128 = [_ttft(3.5, L, s, label=f"elastic FA-SSA share {s} block 128") for L in (32 * K, 128 * K, 8 * K)
+             for s in SHARES]  # fmt: skip
     demo_lens = (2 * K, 4 * K, 8 * K - 256)
     qlens = (32 * K, 128 * K, 8 * K)
     big = 256 * K + MARGIN
     return [
         _job("llama8b-flash", L8, "FLASH_ATTN", fa, mml),
         _job("llama8b-elastic", L8, "elastic", el, mml),
+        _job("llama8b-elastic-bs128", L8, "elastic", el128, mml, block_size=128),
         _job("demo-flash", DEMO, "FLASH_ATTN", [_ttft(4.5, L) for L in demo_lens], 8 * K, graphs=False),
         _job("demo-elastic", DEMO, "elastic", demo_tasks(4, demo_lens), 8 * K, graphs=False),
         _job("llama8b-triton", L8, "TRITON_ATTN", [_ttft(5, 8 * K), _ttft(5, 32 * K)], mml),
@@ -142,6 +149,7 @@ def dry_plan(has_demo: bool) -> list[dict]:
     w = {"sink": 16, "window": 64}
     base = [_ttft(1, 512), _ttft(2, 256, reps=2), _decode(3, 256, 2, steps=4), _ttft(6, 512, budget_tokens=128, reps=1)]
     el = [_ttft(1, 512, 0.75), _ttft(1, 512, 0.5, reps=1), _decode(3, 256, 2, 0.75, ["dense", "sparse"], steps=4),
+          _ttft(3.5, 256, 0.5, reps=1, profile=True, label="elastic profiled"),
           _ttft(4, 256, reps=1, mode="FA-XA"), _ttft(6, 512, 0.75, budget_tokens=128, reps=1)]  # fmt: skip
     jobs = [
         _job("llama8b-cpu-attn", L8, "CPU_ATTN", base, 1024, graphs=False),
@@ -491,6 +499,8 @@ def engine_kwargs(spec: dict, model_dir: Path, router: str | None) -> dict:
         max_num_batched_tokens=16384 if not spec["dry"] else 256,
         skip_tokenizer_init=True,
     )
+    if spec.get("block_size"):
+        kw["block_size"] = spec["block_size"]
     if spec["model"] != DEMO:
         kw["load_format"] = "dummy"
     backend = spec["backend"]
@@ -675,7 +685,47 @@ def run_ttft(eng: Engine, spec: dict, t: dict, text_ids) -> dict:
            "min_s": srt[0], "prio": t["prio"]}  # fmt: skip
     if msr:
         rec.update(omega_msr=msr, omega_esr=esr, router_final_step_s=router)
+    if t.get("profile"):
+        rec["profile"] = profile_ttft(eng, prompt_ids(spec, t["len"], 99, text_ids), t["share"], t["force"])
     return rec
+
+
+def profile_ttft(eng: Engine, ids: list[int], share, force, top: int = 14) -> dict:
+    """One more request of the same length under torch.profiler (not in the median): wall time, GPU
+    busy time (union of kernel intervals: wall - busy = the GPU waiting for the host), kernel time by
+    kernel, and the host ops that launched most (the per-layer glue shows up there)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        wall = eng.ttft(ids, share, force)
+        if cuda:
+            torch.cuda.synchronize()
+    spans, by_kernel = [], {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0:
+            spans.append((ev.time_range.start, ev.time_range.end))
+            k = by_kernel.setdefault(ev.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += ev.time_range.elapsed_us()
+    busy, end = 0.0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])
+    avg = [e for e in prof.key_averages() if e.count and e.cpu_time_total]
+    host = sorted(((e.key[:60], e.count, e.cpu_time_total) for e in avg), key=lambda x: -x[1])
+    host_self = sorted(((e.key[:60], e.count, e.self_cpu_time_total) for e in avg), key=lambda x: -x[2])
+    return {"wall_s": round(wall, 4), "gpu_busy_s": round(busy / 1e6, 4),
+            "kernel_s": round(sum(v[1] for v in by_kernel.values()) / 1e6, 4), "kernel_launches": len(spans),
+            "top_kernels": [{"name": n, "count": c, "ms": round(us / 1e3, 3)} for n, (c, us) in kernels[:top]],
+            "most_called_host_ops": [{"op": n, "count": c, "cpu_ms": round(us / 1e3, 2)} for n, c, us in host[:top]],
+            "top_host_self_ms": [{"op": n, "count": c, "self_ms": round(us / 1e3, 2)} for n, c, us in host_self[:top]]}  # fmt: skip
 
 
 def run_decode(eng: Engine, spec: dict, t: dict) -> list[dict]:
@@ -817,9 +867,10 @@ BASELINES = ("FLASH_ATTN", "CPU_ATTN")  # vLLM's default backend on the GPU; on 
 
 
 def summarize(d: dict) -> dict:
-    base = {(r["model"], r["len"], r["budget_tokens"]): r["median_s"] for r in d["ttft"] if r["backend"] in BASELINES}
+    rows = [r for r in d["ttft"] if "profile" not in r]  # profiled rows: one rep, diagnostics only
+    base = {(r["model"], r["len"], r["budget_tokens"]): r["median_s"] for r in rows if r["backend"] in BASELINES}
     ttft = []
-    for r in d["ttft"]:
+    for r in rows:
         b = base.get((r["model"], r["len"], r["budget_tokens"]))
         if r["backend"] not in BASELINES and b:
             ttft.append({"model": r["model"], "len": r["len"], "budget_tokens": r["budget_tokens"],

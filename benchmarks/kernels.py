@@ -645,6 +645,15 @@ def router_section() -> None:
                 all_layers()
             row["graph"] = timeit(cg.replay)
             row["graph_us_per_layer"] = row["graph"]["ms"] * 1e3 / L
+            row["pdl"] = router.pdl
+            if router.pdl:  # the same graph with launch 2 as an ordinary launch
+                plain = Router(w, table, inv_freq=inv, num_kv_heads=HKV, head_dim=d, block_size=BS, pdl=False)
+                route_all_layers(plain, kc, bts, req, plen, req)  # compile outside the capture
+                torch.cuda.synchronize()
+                g0 = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g0):
+                    route_all_layers(plain, kc, bts, req, plen, req)
+                row["graph_no_pdl"] = timeit(g0.replay)
             # each kernel alone (a graph of its 32 launches), to place the time
             for name, kern in (("task", _route_task_kernel), ("router", _route_router_kernel)):
                 row[f"{name}_kernel"] = kernel_resources(kern)

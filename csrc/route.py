@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, next_pow2
+from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, interpret, next_pow2
 
 FUSED_POOL_MAX = 512  # pooled positions up to which launch 1 pools by itself (boundary default: 200)
 POOL_PROGRAMS = 32  # token-parallel pooling programs per (request, head) otherwise
@@ -67,12 +67,14 @@ def _sincos(x):
 
 
 @triton.jit
-def _pool_step(x1, x2, xp, key_cache, p_bt, i_h, o_k, m_k, pool_tokens, shift, freq, s_kb, s_kt, s_kh,
+def _pool_step(a1, a2, ap, key_cache, p_bt, i_h, o_k, m_k, pool_tokens, shift, freq, s_kb, s_kt, s_kh,
                HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                BLOCK_P: tl.constexpr, BS: tl.constexpr):  # fmt: skip
-    """Adds the un-rotated keys of head i_h at pooled tokens o_k [BT] (m_k: valid) to the running sums:
-    first rotary half [BLOCK_HALF], second half, pass-through dims [BLOCK_P] (position of pooled
-    token k: k < pool_tokens ? k : k + shift). Not yet scaled."""
+    """Adds the un-rotated keys of head i_h at pooled tokens o_k [BT] (m_k: valid) to the running 2-D
+    sums [BT, BLOCK_HALF] (first rotary half, second half) and [BT, BLOCK_P] (pass-through dims); the
+    position of pooled token k is k < pool_tokens ? k : k + shift. Element-wise only: no reduction,
+    hence no CTA barrier between steps, so the loads of every step can issue before the first one's
+    math (``_pool_sums`` reduces once)."""
     o_i = tl.arange(0, BLOCK_HALF)
     m_i = o_i < HALF
     pos = tl.where(o_k < pool_tokens, o_k, o_k + shift)  # [BT]
@@ -83,14 +85,14 @@ def _pool_step(x1, x2, xp, key_cache, p_bt, i_h, o_k, m_k, pool_tokens, shift, f
     y1 = tl.load(p_y, mask=m_2, other=0.0).to(tl.float32)  # [BT, BHALF]
     y2 = tl.load(p_y + HALF, mask=m_2, other=0.0).to(tl.float32)
     sin, cos = _sincos(pos.to(tl.float32)[:, None] * freq[None, :])  # the reference's fp32 angle
-    x1 += tl.sum(y1 * cos + y2 * sin, 0)  # masked entries are 0 in y1 and y2
-    x2 += tl.sum(y2 * cos - y1 * sin, 0)
+    a1 += y1 * cos + y2 * sin  # masked entries are 0 in y1 and y2
+    a2 += y2 * cos - y1 * sin
     if ROT < D:
         o_p = tl.arange(0, BLOCK_P)
         yp = tl.load(key_cache + o_row[:, None] + ROT + o_p[None, :], mask=m_k[:, None] & (o_p < D - ROT)[None, :],
                      other=0.0)  # fmt: skip
-        xp += tl.sum(yp.to(tl.float32), 0)
-    return x1, x2, xp
+        ap += yp.to(tl.float32)
+    return a1, a2, ap
 
 
 @triton.jit
@@ -98,26 +100,28 @@ def _pool_sums(key_cache, p_bt, i_h, k_first, k_end, k_step, pool_tokens, shift,
                HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, NT: tl.constexpr):  # fmt: skip
     """Sums (``_pool_step``) over pooled positions k in [k_first, k_end), runs of BLOCK_T tokens every
-    k_step. NT > 0: exactly NT steps, unrolled (k_end <= k_first + NT * k_step): their loads depend
-    on nothing of the steps before, so the block-id loads of every step can issue together, then the
-    key loads; the pool pays ~2 memory latencies instead of 2 per step (the runtime loop of 7 steps
-    was ~10 us of the 27 us per layer measured on the H200). NT = 0: a runtime loop (long pools)."""
+    k_step, reduced over the tokens once at the end. NT > 0: exactly NT steps, unrolled
+    (k_end <= k_first + NT * k_step). Why 2-D sums: with a reduction per step (v2) the sm_90 build put
+    six CTA barriers between one step's key loads and the next step's block-id load, so the 7 steps
+    of the default pool ran as 7 x (block-id latency + key latency): ~16 us per program on the H200
+    (launch 1 took 19.5 us per layer, 66 us with 8 requests = 4 waves of programs). NT = 0: a runtime
+    loop (long pools)."""
     o_i = tl.arange(0, BLOCK_HALF)
     freq = tl.load(inv_freq + o_i, mask=o_i < HALF, other=0.0)  # [BHALF]
-    x1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-    x2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-    xp = tl.zeros([BLOCK_P], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    ap = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
     if NT > 0:
         for i_k in tl.static_range(NT):
             o_k = k_first + i_k * k_step + tl.arange(0, BLOCK_T)
-            x1, x2, xp = _pool_step(x1, x2, xp, key_cache, p_bt, i_h, o_k, o_k < k_end, pool_tokens, shift, freq,
+            a1, a2, ap = _pool_step(a1, a2, ap, key_cache, p_bt, i_h, o_k, o_k < k_end, pool_tokens, shift, freq,
                                     s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BS)  # fmt: skip
     else:
         for k0 in range(k_first, k_end, k_step):
             o_k = k0 + tl.arange(0, BLOCK_T)
-            x1, x2, xp = _pool_step(x1, x2, xp, key_cache, p_bt, i_h, o_k, o_k < k_end, pool_tokens, shift, freq,
+            a1, a2, ap = _pool_step(a1, a2, ap, key_cache, p_bt, i_h, o_k, o_k < k_end, pool_tokens, shift, freq,
                                     s_kb, s_kt, s_kh, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BS)  # fmt: skip
-    return x1, x2, xp
+    return tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(ap, 0)
 
 
 @triton.jit(do_not_specialize=["pool_tokens"])
@@ -153,9 +157,12 @@ def _route_task_kernel(
     HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, HID: tl.constexpr,
     NS1: tl.constexpr, FUSED_POOL: tl.constexpr, NPOOL: tl.constexpr, HAS_NORM: tl.constexpr,
-    NT_POOL: tl.constexpr,
+    NT_POOL: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Launch 1: pool head h (or sum the pooling launch's partials), Task MLP hidden slice s."""
+    """Launch 1: pool head h (or sum the pooling launch's partials), Task MLP hidden slice s.
+    USE_PDL: lets launch 2 start (and load its weights) as soon as every program here has started."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_r = tl.program_id(2)
@@ -169,14 +176,6 @@ def _route_task_kernel(
     o_j = i_s * CH + tl.arange(0, CH)  # [CH] this program's hidden units
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    # weights first: their loads do not depend on the pooling, so they overlap it
-    p_w = weights + layer.to(tl.int64) * s_w
-    p_w1 = p_w + o_j[:, None] * D  # W1 [HID, D] rows
-    w1a = tl.load(p_w1 + o_i[None, :], mask=m_i[None, :], other=0.0)  # [CH, BHALF]
-    w1b = tl.load(p_w1 + HALF + o_i[None, :], mask=m_i[None, :], other=0.0)
-    b1 = tl.load(p_w + HID * D + o_j)
-    # W2 [D, HID]: element (d, j) at d * HID + j, read as [CH, BD] (j contiguous)
-    w2 = tl.load(p_w + HID * D + HID + o_d[None, :] * HID + o_j[:, None], mask=m_d[None, :], other=0.0)
     if FUSED_POOL:
         p_bt = block_table + tl.load(req_rows + i_r).to(tl.int64) * s_bt
         x1, x2, xp = _pool_sums(
@@ -192,6 +191,14 @@ def _route_task_kernel(
             xp = tl.sum(tl.load(p_x + ROT + o_p[None, :], mask=m_p[None, :], other=0.0), 0)
         else:
             xp = tl.zeros([BLOCK_P], dtype=tl.float32)
+    # weights after the pool's loads (source order): see the note in _pool_sums
+    p_w = weights + layer.to(tl.int64) * s_w
+    p_w1 = p_w + o_j[:, None] * D  # W1 [HID, D] rows
+    w1a = tl.load(p_w1 + o_i[None, :], mask=m_i[None, :], other=0.0)  # [CH, BHALF]
+    w1b = tl.load(p_w1 + HALF + o_i[None, :], mask=m_i[None, :], other=0.0)
+    b1 = tl.load(p_w + HID * D + o_j)
+    # W2 [D, HID]: element (d, j) at d * HID + j, read as [CH, BD] (j contiguous)
+    w2 = tl.load(p_w + HID * D + HID + o_d[None, :] * HID + o_j[:, None], mask=m_d[None, :], other=0.0)
     inv_n = 1.0 / n_pool.to(tl.float32)
     x1 = x1 * (inv_n / attention_scaling)
     x2 = x2 * (inv_n / attention_scaling)
@@ -217,9 +224,12 @@ def _route_task_kernel(
 def _route_router_kernel(
     weights, ws_f, ws_v, cnt, slots, table, logits, s_w, s_t0, s_t1, s_t2, layer, fa_value, sa_value,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr, NS1: tl.constexpr,
-    NS2: tl.constexpr, HAS_LOGITS: tl.constexpr,
+    NS2: tl.constexpr, HAS_LOGITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Launch 2: Router MLP hidden slice s2; the last slice program of (r, h) finishes the head."""
+    """Launch 2: Router MLP hidden slice s2; the last slice program of (r, h) finishes the head.
+    USE_PDL: launched as a programmatic dependent of launch 1: every weight load is issued before
+    ``griddepcontrol.wait``, the first read of launch 1's output, so the weights arrive while launch 1
+    still runs."""
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_r = tl.program_id(2)
@@ -236,15 +246,17 @@ def _route_router_kernel(
     w4 = tl.load(p_w + OFF_W4 + o_d[None, :] * HID + o_j[:, None], mask=m_d[None, :], other=0.0)  # [CH, BD]
     i_rh = i_r * HKV + i_h
     f = tl.load(p_w + 2 * HID * D + HID + o_d, mask=m_d, other=0.0)  # b2
-    # the NS1 Task-MLP partials in one 2-D load (one memory latency, not NS1), a fixed-order tree sum
-    p_f = ws_f + (i_rh * NS1).to(tl.int64) * D + tl.arange(0, NS1)[:, None] * D + o_d[None, :]
-    f += tl.sum(tl.load(p_f, mask=m_d[None, :], other=0.0), 0)
     # the finishing program's weights, loaded by every program before the counter (off the tail)
     b4 = tl.load(p_w + OFF_W4 + D * HID + o_d, mask=m_d, other=0.0)
     w5a = tl.load(p_w + OFF_W5 + o_d, mask=m_d, other=0.0)
     w5b = tl.load(p_w + OFF_W5 + D + o_d, mask=m_d, other=0.0)
     b5a = tl.load(p_w + OFF_W5 + 2 * D)
     b5b = tl.load(p_w + OFF_W5 + 2 * D + 1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # launch 1 complete, its partials visible
+    # the NS1 Task-MLP partials in one 2-D load (one memory latency, not NS1), a fixed-order tree sum
+    p_f = ws_f + (i_rh * NS1).to(tl.int64) * D + tl.arange(0, NS1)[:, None] * D + o_d[None, :]
+    f += tl.sum(tl.load(p_f, mask=m_d[None, :], other=0.0), 0)
     u = _silu(tl.sum(w3 * f[None, :], 1) + b3)  # [CH]
     v_part = tl.sum(w4 * u[:, None], 0)  # [BD]
     p_v = ws_v + (i_rh * NS2).to(tl.int64) * D
@@ -329,6 +341,8 @@ class Router:
     req_rows, prompt_lens, slots, layer)`` then only reads strides and launches two kernels (three
     for long pools) with no validation, allocation or host sync. ``route()`` is the checked
     one-shot equivalent. ``num_chunks`` overrides the hidden slices per MLP pair (NS1 = NS2).
+    ``pdl``: launch 2 as a programmatic dependent launch of launch 1 (default: on sm_90+ CUDA; True on
+    any other device is a ValueError); launch 1 is an ordinary launch, it reads the key cache.
     """
 
     def __init__(
@@ -347,6 +361,7 @@ class Router:
         sa_value: int = 1,
         num_chunks: int | None = None,
         norm: torch.Tensor | None = None,
+        pdl: bool | None = None,
     ):
         dev = weights.device
         d, hkv = head_dim, num_kv_heads
@@ -364,6 +379,9 @@ class Router:
             if not norm.is_contiguous():
                 raise ValueError("norm: must be contiguous (use pack_router_norm)")
         self.norm = norm
+        self.pdl = pdl_supported(dev) if pdl is None else bool(pdl)
+        if self.pdl and not pdl_supported(dev):
+            raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device of capability >= 9.0, got {dev}")
         rot = 2 * inv_freq.shape[0]
         if rot == 0 or rot > d:
             raise ValueError(f"inv_freq: rotary_dim {rot} must be in (0, head_dim {d}]")
@@ -390,10 +408,12 @@ class Router:
         self.task_meta = dict(
             self.pool_meta, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1,
             FUSED_POOL=self.fused_pool, NPOOL=POOL_PROGRAMS, HAS_NORM=norm is not None, num_warps=8,
-            NT_POOL=triton.cdiv(2 * n, 32) if self.fused_pool else 1,
+            NT_POOL=triton.cdiv(2 * n, 32) if self.fused_pool else 1, USE_PDL=self.pdl,
         )  # fmt: skip
         self.router_meta = dict(HKV=hkv, D=d, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1, NS2=self.ns2,
-                                num_warps=4)  # fmt: skip
+                                USE_PDL=self.pdl, num_warps=4)  # fmt: skip
+        if self.pdl:
+            self.router_meta["launch_pdl"] = True
 
     def workspace(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pool partials, Task-MLP partials, Router-MLP partials, counters) for R requests, cached per
@@ -449,6 +469,14 @@ class Router:
                 self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw,
                 ts[0], ts[1], ts[2], layer, self.fa_value, self.sa_value, HAS_LOGITS=has_lg, **self.router_meta,
             )  # fmt: skip
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (launch 2 overlapping launch 1's tail): sm_90+ CUDA, not under
+    TRITON_INTERPRET."""
+    if device.type != "cuda" or interpret():
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def check_key_cache(key_cache: torch.Tensor) -> None:

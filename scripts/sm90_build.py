@@ -8,7 +8,8 @@ A fake active driver reports an sm_90 target; the launchers run with CPU tensors
 no launch). From each cubin, with the cuobjdump that Triton ships: registers, stack bytes (spills live there)
 and the global loads by width (LDG.E = 4 bytes, LDG.E.128 = 16 bytes). Rows: the prefill kernel in both
 program orders at block size 16 and 128 (Llama-3.1-8B attention shape); the two router kernels with
-packed weight rows padded (``pack_router_weights``) and unpadded (``router_param_count`` floats).
+packed weight rows padded (``pack_router_weights``) and unpadded (``router_param_count`` floats), with the
+order of their loads and barriers (``schedule``).
 """
 
 from __future__ import annotations
@@ -81,7 +82,26 @@ def _resources(kernel) -> dict:
         "registers": int(re.search(r"REG:(\d+)", res).group(1)),
         "stack_bytes": int(re.search(r"STACK:(\d+)", res).group(1)),
         "global_loads": dict(sorted(loads.items())),
+        "schedule": _schedule(sass),
     }
+
+
+def _schedule(sass: str) -> str:
+    """Global loads, CTA barriers and grid-dependency instructions in program order, runs counted:
+    "LDG x6, BAR x2, ..." shows whether loads wait behind barriers (each BAR after a load is a wait
+    for that load's latency before the next loads issue). ACQBULK = griddepcontrol.wait,
+    PREEXIT = griddepcontrol.launch_dependents."""
+    runs: list[list] = []
+    for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
+        op = m.group(1).split(".")[0]
+        op = {"LDGSTS": "LDGSTS", "LDG": "LDG", "BAR": "BAR", "ACQBULK": "ACQBULK", "PREEXIT": "PREEXIT"}.get(op)
+        if op is None:
+            continue
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    return ", ".join(f"{op} x{n}" for op, n in runs)
 
 
 def prefill_rows() -> list[dict]:
@@ -111,6 +131,7 @@ def router_rows() -> list[dict]:
     from elastic_vllm.router.model import ElasticRouter
 
     got = _capture(R._route_task_kernel, R._route_router_kernel)
+    R.pdl_supported = lambda device: True  # the fake sm_90 device: build what an H200 runs (launch 2 as PDL)
     L, d, hkv, bs, S = 32, 128, 8, 16, 8192
     padded = R.pack_router_weights(ElasticRouter(L, d))
     rows = []

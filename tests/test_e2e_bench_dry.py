@@ -134,6 +134,10 @@ def test_report_writes_markdown_plots_and_readme_section(e2e, tmp_path):
     assert (tmp_path / "results" / "e2e-decode-speedup.png").is_file() and res.with_suffix(".md").is_file()
 
 
+def e2e_summary_rows(d: dict) -> list[dict]:
+    return d["summary"]["ttft_speedup"]
+
+
 @pytest.mark.slow
 def test_cpu_dry_run_end_to_end(tmp_path):
     """Real vLLM CPU engines (one subprocess each): fixed shares reach the engine (Omega_MSR exact),
@@ -156,6 +160,9 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert xa["mode"] == "FA-XA" and xa["mode_switch"] == "in-process"
     dec = {r["decode_mode"]: r for r in d["decode"]}
     assert set(dec) == {"dense", "sparse"} and all(min(r["tokens_per_request"]) >= 4 for r in dec.values())
+    prof = rows[("elastic profiled", 256, 256)]["profile"]
+    assert prof["wall_s"] > 0 and prof["most_called_host_ops"] and prof["kernel_launches"] == 0  # no GPU here
+    assert all(r["variant"] != "elastic profiled" for r in e2e_summary_rows(d))  # diagnostics, not a result
     assert d["skipped"][0]["job"] == "never-fits" and "budget" in d["skipped"][0]["reason"]
     job = next(j for j in d["jobs"] if j["name"] == "llama8b-elastic")
     assert job["status"] == "done" and job["router"].startswith("random")
