@@ -116,7 +116,8 @@ def gpu_plan() -> list[dict]:
     mml = 128 * K + MARGIN
     fa = [_ttft(1, 32 * K), _ttft(1, 128 * K), _ttft(2, 8 * K), _decode(3, 32 * K, 16), _decode(3, 128 * K, 4),
           _ttft(6, 32 * K, budget_tokens=8192), _ttft(6, 128 * K, budget_tokens=8192, reps=1),
-          _ttft(2.5, 8 * K, reps=1, profile=True, label="FLASH_ATTN profiled")]  # fmt: skip
+          _ttft(2.5, 8 * K, reps=1, profile=True, label="FLASH_ATTN profiled"),
+          _ttft(2.5, 32 * K, reps=1, profile=True, label="FLASH_ATTN profiled")]  # fmt: skip
     el = [_ttft(1, 32 * K, 0.75), _ttft(1, 32 * K, 0.5), _ttft(1, 128 * K, 0.75), _ttft(2, 128 * K, 0.5),
           _ttft(2, 8 * K, 0.75), _ttft(2, 8 * K, 0.5),
           _decode(3, 32 * K, 16, 0.75, ["dense", "sparse"]), _decode(3, 128 * K, 4, 0.75, ["dense", "sparse"]),
@@ -125,6 +126,7 @@ def gpu_plan() -> list[dict]:
     # the block size the csrc kernels are fastest at (one block-table read per 128-key tile): `--block-size 128`
     el128 = [_ttft(3.5, L, s, label=f"elastic FA-SSA share {s} block 128") for L in (32 * K, 128 * K, 8 * K)
              for s in SHARES]  # fmt: skip
+    el128.append(_ttft(3.5, 32 * K, 0.75, reps=1, profile=True, label="elastic FA-SSA share 0.75 block 128 profiled"))
     demo_lens = (2 * K, 4 * K, 8 * K - 256)
     qlens = (32 * K, 128 * K, 8 * K)
     big = 256 * K + MARGIN

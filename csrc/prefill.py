@@ -401,7 +401,11 @@ def _tma_descriptor(cache: torch.Tensor, block_n: int):
 
 
 def _tma_capable(device: torch.device) -> bool:
-    if interpret() or os.environ.get("ELASTIC_PREFILL_TMA", "1") == "0" or _TMA_FAILED:
+    """Auto mode's TMA: off unless ELASTIC_PREFILL_TMA=1. Measured on the H200 (the tune section of four
+    kernels.py runs, bs 128, 128 x 128 tiles, 32K): pointer loads were faster in 3 of 4 runs dense
+    (16.5-17.1 vs 17.6-18.0 ms) and in 3 of 4 at SA 0.75 (6.06-6.36 vs 6.64-7.71 ms); the one
+    exception was the spilling build (dev/kernels-4-h200-vector-map.json)."""
+    if interpret() or os.environ.get("ELASTIC_PREFILL_TMA", "0") != "1" or _TMA_FAILED:
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -449,8 +453,9 @@ def prefill_attention(
         out: optional [T, Hq, D] output (written in place).
         block_m, block_n, num_warps, num_stages: tuning overrides.
         use_tma: load the unmasked K/V tiles with TMA (tensor descriptors; Hopper+, block_size a
-            multiple of block_n, see ``tma_unsupported``). None: when possible on sm_90+ (disable
-            with ELASTIC_PREFILL_TMA=0); True: required (ValueError otherwise); False: never.
+            multiple of block_n, see ``tma_unsupported``). None: pointer loads (measured faster),
+            TMA where possible with ELASTIC_PREFILL_TMA=1; True: required (ValueError otherwise);
+            False: never.
         program_order: "long_first" (default): inside each request the FA/XA programs of every
             query tile run before the SSA programs (heaviest tile first in both groups), so the
             long programs start in waves that read K/V in step; "tile_major": heaviest tile first

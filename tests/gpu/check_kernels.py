@@ -346,7 +346,7 @@ def main() -> int:
             prefill_case([S8], [S8], 32, 8, 128, 64, bf, 128, W, 0.5, block_n=64, use_tma=True),
         ),
         (
-            "prefill 8K bf16 d64 GQA4 bs128 default (auto TMA)",
+            "prefill 8K bf16 d64 GQA4 bs128 default config",
             prefill_case([S8], [S8], 32, 8, 64, 128, bf, 128, W, 0.5),
         ),
         (
