@@ -28,6 +28,15 @@ def interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel's launch and prologue overlapping the previous kernel's
+    tail, ``griddepcontrol``): sm_90+ CUDA, not under TRITON_INTERPRET. Used by the router's second launch
+    and the decode merge kernel."""
+    if device.type != "cuda" or interpret():
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def check_tensor(
     t,
     name: str,

@@ -40,6 +40,7 @@ from ._common import (
     interpret,
     next_pow2,
     num_sms,
+    pdl_supported,
 )
 
 
@@ -83,7 +84,10 @@ def _decode_kernel(
     HAS_SLOTS: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # the merge kernel may launch (and wait in griddepcontrol.wait) once every split started
+        tl.extra.cuda.gdc_launch_dependents()
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -155,7 +159,10 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched as a programmatic dependent of the split kernel: its partials are visible after this
+        tl.extra.cuda.gdc_wait()
     i_b = tl.program_id(0)
     i_hq = tl.program_id(1)
     o_s = tl.arange(0, BLOCK_S)
@@ -211,6 +218,7 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query per request, per-(request, KV head) FA or SSA, split-KV.
 
@@ -223,6 +231,8 @@ def decode_attention(
         max_seq_len: an upper bound of seq_lens (Python int, e.g. max_model_len under CUDA graphs);
             sizes the split-KV grid, so the launch depends on no device value.
         num_splits: override of the split count (1 = no merge kernel).
+        pdl: launch the merge kernel as a programmatic dependent launch of the split kernel (its launch
+            overlaps the splits' tail; default: on sm_90+ CUDA; True elsewhere is a ValueError).
 
     Returns:
         out [B, Hq, D] in q's dtype. No host synchronisation; CUDA-graph capturable.
@@ -250,6 +260,9 @@ def decode_attention(
         raise ValueError(f"sink/window: need sink >= 0 and window >= 1, got sink={sink} window={window}")
     if not isinstance(max_seq_len, int) or max_seq_len < 0:
         raise ValueError(f"max_seq_len: a Python int >= 0 is required, got {max_seq_len!r}")
+    use_pdl = pdl_supported(dev) if pdl is None else bool(pdl)
+    if use_pdl and not pdl_supported(dev):
+        raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device of capability >= 9.0, got {dev}")
     if out is None:
         out = torch.empty_like(q)
     else:
@@ -288,12 +301,13 @@ def decode_attention(
         ns, min_tiles, sink, window, scale * 1.4426950408889634,
         G=g, BLOCK_H=max(16, next_pow2(g)), BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=block_d,
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, SPLIT=split,
-        DOT_PREC=dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), USE_PDL=split and use_pdl,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
     if split:
         _decode_merge_kernel[(B, hq)](
             out, o_part, lse_part, out.stride(0), out.stride(1), ns,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(next_pow2(ns), 2), num_warps=4,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(next_pow2(ns), 2), USE_PDL=use_pdl, num_warps=4,
+            **({"launch_pdl": True} if use_pdl else {}),
         )  # fmt: skip
     return out

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, interpret, next_pow2
+from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, next_pow2, pdl_supported
 
 FUSED_POOL_MAX = 512  # pooled positions up to which launch 1 pools by itself (boundary default: 200)
 POOL_PROGRAMS = 32  # token-parallel pooling programs per (request, head) otherwise
@@ -469,14 +469,6 @@ class Router:
                 self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw,
                 ts[0], ts[1], ts[2], layer, self.fa_value, self.sa_value, HAS_LOGITS=has_lg, **self.router_meta,
             )  # fmt: skip
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (launch 2 overlapping launch 1's tail): sm_90+ CUDA, not under
-    TRITON_INTERPRET."""
-    if device.type != "cuda" or interpret():
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def check_key_cache(key_cache: torch.Tensor) -> None:

@@ -1,0 +1,33 @@
+"""benchmarks/kernels.py end to end under TRITON_INTERPRET (``--cpu-dry``: toy sizes): the sections the GPU
+session relies on run, check their outputs against each other and write the JSON. Plumbing only: no time
+is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_kernels_benchmark_dry_run(tmp_path):
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--cpu-dry", "--out", str(out),
+         "--sections", "correctness,vllm,decode"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert not d.get("errors"), d.get("errors")
+    assert d["correctness"] and all(c["ok"] for c in d["correctness"])
+    # vLLM's interleaved K/V layout and chunked prefill compute the same attention as one call over two planes
+    rows = {(r["layout"], r["chunks"]): r for r in d["prefill_vllm"]}
+    assert set(rows) == {("planes", 1), ("planes", 2), ("vllm_interleaved", 1), ("vllm_interleaved", 2)}
+    assert all(r["rel_diff_vs_first"] < 1e-2 and r["ms"] > 0 for r in rows.values())
+    assert {r["mode"] for r in d["decode"]} == {"dense", "sparse"}
