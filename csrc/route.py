@@ -33,6 +33,8 @@ for |angle| > 105615 - high frequencies past position ~105K - is a loop over loc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -220,16 +222,19 @@ def _route_task_kernel(
     tl.store(ws_f + ((i_r * HKV + i_h) * NS1 + i_s).to(tl.int64) * D + o_d, f_part, mask=m_d)
 
 
-@triton.jit(do_not_specialize=["layer", "fa_value", "sa_value"])
+@triton.jit(do_not_specialize=["layer", "fa_value", "sa_value", "decode_dense"])
 def _route_router_kernel(
     weights, ws_f, ws_v, cnt, slots, table, logits, s_w, s_t0, s_t1, s_t2, layer, fa_value, sa_value,
+    e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
+    s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr, NS1: tl.constexpr,
-    NS2: tl.constexpr, HAS_LOGITS: tl.constexpr, USE_PDL: tl.constexpr,
+    NS2: tl.constexpr, HAS_LOGITS: tl.constexpr, USE_PDL: tl.constexpr, EPILOGUE: tl.constexpr,
 ):  # fmt: skip
     """Launch 2: Router MLP hidden slice s2; the last slice program of (r, h) finishes the head.
     USE_PDL: launched as a programmatic dependent of launch 1: every weight load is issued before
     ``griddepcontrol.wait``, the first read of launch 1's output, so the weights arrive while launch 1
-    still runs."""
+    still runs. EPILOGUE: the finishing program also applies the row's forced routing and decode-phase
+    modes and writes the engine's per-step and per-request tables (``RouteEpilogue``)."""
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_r = tl.program_id(2)
@@ -276,7 +281,47 @@ def _route_router_kernel(
         if HAS_LOGITS:
             tl.store(logits + i_rh * 2, z0)
             tl.store(logits + i_rh * 2 + 1, z1)
+        if EPILOGUE:
+            # force: 0 auto, 1 all-FA, 2 all-SA; decode-phase rows: dense -> FA, sparse -> SSA stays, else FA
+            frc = tl.load(e_force + i_r).to(tl.int32)
+            fa = tl.where(frc == 1, True, tl.where(frc == 2, False, z1 > z0))
+            mode = tl.where(fa, fa_value, sa_value)
+            dmode = tl.where((decode_dense == 0) & (mode == 1), 1, 0)
+            rmode = tl.where(tl.load(e_dphase + i_r) != 0, dmode, mode)
+            i_row = tl.load(e_rows + i_r).to(tl.int64)
+            tl.store(e_rmodes + layer * s_rm0 + i_row * s_rm1 + i_h * s_rm2, rmode.to(e_rmodes.dtype.element_ty))
+            i_fs = tl.load(e_fslot + i_r).to(tl.int64)
+            if i_fs >= 0:  # the request's final routing: its per-request tables
+                tl.store(e_tmodes + i_fs * s_tm0 + layer * s_tm1 + i_h * s_tm2, mode.to(e_tmodes.dtype.element_ty))
+                tl.store(e_tfa + i_fs * s_tf0 + layer * s_tf1 + i_h * s_tf2, fa.to(e_tfa.dtype.element_ty))
+                p_tl = e_tlogits + i_fs * s_tl0 + layer * s_tl1 + i_h * s_tl2
+                tl.store(p_tl, z0)
+                tl.store(p_tl + 1, z1)
         tl.atomic_xchg(cnt + i_rh, 0)  # re-armed for the next layer (stream order)
+
+
+@dataclass
+class RouteEpilogue:
+    """What the finishing program writes besides the decision table (vLLM's per-layer glue, fused).
+
+    For routed row r (of R) and KV head h at ``layer``: fa = router says FA, overridden by ``force[r]``
+    (0 auto, 1 all-FA, 2 all-SA); mode = fa_value if fa else sa_value; the row's mode for this step's
+    attention = mode, or for ``decode_phase[r]`` rows FA (``decode_dense``) or SSA-stays-SSA-else-FA
+    (sparse); ``row_modes[layer, rows[r], h]`` = that mode; where ``final_slot[r] >= 0`` also
+    ``table_modes[s, layer, h]`` = mode, ``table_fa[s, layer, h]`` = fa, ``table_logits[s, layer, h]`` =
+    the two logits. ``rows``, ``final_slot`` int32 [R]; ``force``, ``decode_phase`` int8/bool [R];
+    the tables any integer / bool / float32 dtypes of those shapes (last dims contiguous not required).
+    """
+
+    rows: torch.Tensor
+    force: torch.Tensor
+    decode_phase: torch.Tensor
+    final_slot: torch.Tensor
+    row_modes: torch.Tensor  # [L, B, Hkv]
+    table_modes: torch.Tensor  # [S, L, Hkv]
+    table_fa: torch.Tensor  # [S, L, Hkv]
+    table_logits: torch.Tensor  # [S, L, Hkv, 2], last dim contiguous
+    decode_dense: bool
 
 
 ROW_ALIGN = 16  # floats: packed rows start 64-byte aligned
@@ -442,8 +487,13 @@ class Router:
         layer: int,
         logits_out: torch.Tensor | None = None,
         stages: tuple[str, ...] = ("task", "router"),
+        epilogue: RouteEpilogue | None = None,
+        fa_value: int | None = None,
+        sa_value: int | None = None,
     ) -> None:
-        """Route at one layer. ``stages`` picks launches (the benchmark times each alone)."""
+        """Route at one layer. ``stages`` picks launches (the benchmark times each alone); ``epilogue``:
+        the engine tables to write as well (``RouteEpilogue``; checked by ``check_epilogue``, not here);
+        ``fa_value`` / ``sa_value`` override the constructor's mode values for this call."""
         R = req_rows.shape[0]
         if R == 0:
             return
@@ -465,10 +515,37 @@ class Router:
         ts = self.table.stride()
         has_lg = logits_out is not None
         if "router" in stages:
+            fv = self.fa_value if fa_value is None else int(fa_value)
+            sv = self.sa_value if sa_value is None else int(sa_value)
+            if epilogue is None:
+                ep = (ws_v,) * 8 + (0,) * 12 + (0,)
+            else:
+                e = epilogue
+                ep = (e.rows, e.force, e.decode_phase, e.final_slot, e.row_modes, e.table_modes, e.table_fa,
+                      e.table_logits, *e.row_modes.stride(), *e.table_modes.stride(), *e.table_fa.stride(),
+                      *e.table_logits.stride()[:3], int(e.decode_dense))  # fmt: skip
             _route_router_kernel[(self.ns2, self.hkv, R)](
                 self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw,
-                ts[0], ts[1], ts[2], layer, self.fa_value, self.sa_value, HAS_LOGITS=has_lg, **self.router_meta,
+                ts[0], ts[1], ts[2], layer, fv, sv, *ep, HAS_LOGITS=has_lg, EPILOGUE=epilogue is not None,
+                **self.router_meta,
             )  # fmt: skip
+
+
+def check_epilogue(e: RouteEpilogue, R: int, num_layers: int, num_kv_heads: int, device) -> None:
+    """The shapes, dtypes and devices ``Router.__call__`` assumes for ``epilogue`` (a clear error each)."""
+    for name in ("rows", "final_slot"):
+        check_tensor(getattr(e, name), name, dim=1, dtypes=(torch.int32,), shape=(R,), device=device)
+    for name in ("force", "decode_phase"):
+        check_tensor(getattr(e, name), name, dim=1, dtypes=(torch.int8, torch.uint8, torch.bool), shape=(R,),
+                     device=device)  # fmt: skip
+    check_tensor(e.row_modes, "row_modes", dim=3, dtypes=MODE_DTYPES, shape=(num_layers, None, num_kv_heads),
+                 device=device)  # fmt: skip
+    check_tensor(e.table_modes, "table_modes", dim=3, dtypes=MODE_DTYPES, shape=(None, num_layers, num_kv_heads),
+                 device=device)  # fmt: skip
+    check_tensor(e.table_fa, "table_fa", dim=3, dtypes=(torch.bool, *MODE_DTYPES),
+                 shape=(e.table_modes.shape[0], num_layers, num_kv_heads), device=device)  # fmt: skip
+    check_tensor(e.table_logits, "table_logits", dim=4, dtypes=(torch.float32,),
+                 shape=(e.table_modes.shape[0], num_layers, num_kv_heads, 2), device=device, last_contiguous=True)  # fmt: skip
 
 
 def check_key_cache(key_cache: torch.Tensor) -> None:
@@ -498,6 +575,7 @@ def route(
     logits_out: torch.Tensor | None = None,
     num_chunks: int | None = None,
     norm: torch.Tensor | None = None,
+    epilogue: RouteEpilogue | None = None,
 ) -> torch.Tensor:
     """Route ``R`` requests at one layer and write their decisions into ``table`` in place.
 
@@ -516,6 +594,8 @@ def route(
         logits_out: optional [R, Hkv, 2] float32, receives the router logits.
         num_chunks: hidden slices per MLP pair (see ``Router``).
         norm: optional [L, Hkv, 2, d] float32 input standardization from ``pack_router_norm``.
+        epilogue: optional engine tables to write as well (``RouteEpilogue``: forced rows, decode-phase
+            modes, the per-step row modes and the per-request tables).
 
     Returns:
         table. No host synchronisation.
@@ -541,5 +621,7 @@ def route(
         check_tensor(logits_out, "logits_out", dtypes=(torch.float32,), shape=(R, hkv, 2), device=dev)
         if not logits_out.is_contiguous():
             raise ValueError("logits_out: must be contiguous")
-    router(key_cache, block_table, req_rows, prompt_lens, slots, layer, logits_out)
+    if epilogue is not None:
+        check_epilogue(epilogue, R, num_layers, hkv, dev)
+    router(key_cache, block_table, req_rows, prompt_lens, slots, layer, logits_out, epilogue=epilogue)
     return table

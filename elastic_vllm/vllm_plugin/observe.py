@@ -59,6 +59,7 @@ class Counters:
     reroute_mismatches: int = 0  # ... that differed from the first decision
     invalid_overrides: int = 0  # unknown elastic_force values that reached the worker
     mixed_steps: int = 0  # steps whose batch mixed rows with a final routing (decodes) and rows routed now
+    fused_route_layers: int = 0  # (layer, step) routings whose tables the router kernel wrote itself
     _published: dict[str, int] = field(default_factory=dict, repr=False)
 
     def snapshot(self) -> dict[str, int]:

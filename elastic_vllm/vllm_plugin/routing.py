@@ -59,6 +59,7 @@ class RouteBatch:
     any_forced: bool  # some row is all-FA / all-SA
     any_decode_phase: bool  # some row's queries are past its prompt
     rows_i32: torch.Tensor  # [R] int32: rows, for the router kernel (cast once per step)
+    final_slot_row: torch.Tensor  # [R] int32: each row's routing-table slot if its routing is final, else -1
     host: list[RouteRow]
     share_idx: torch.Tensor | None = None  # [S] long: routing rows with a fixed SA share
     share_fa: torch.Tensor | None = None  # [S, L, Hkv] bool: their fixed decisions (True = FA)
@@ -132,6 +133,9 @@ def build_route_batch(
         any_forced=any(r.force != "auto" for r in rows),
         any_decode_phase=any(r.decode_phase for r in rows),
         rows_i32=batch_rows.to(torch.int32),
+        final_slot_row=torch.tensor([-1 if r.final_slot is None else r.final_slot for r in rows], dtype=torch.int32).to(
+            dev, non_blocking=True
+        ),
         host=rows,
         share_idx=share_idx,
         share_fa=share,
@@ -226,6 +230,7 @@ class TritonRouter:
         self.scratch = torch.zeros(max_rows, num_layers, num_kv_heads, dtype=torch.int8, device=device)
         self.slots = torch.arange(max_rows, dtype=torch.int32, device=device)
         self._prepared: dict[tuple, object] = {}  # csrc.route.Router per (block size, pooling): checked once
+        self._epilogue_checked = False
 
     def _launcher(self, key_cache: torch.Tensor, cfg: ElasticConfig):
         from elastic_vllm.csrc.route import Router, check_key_cache
@@ -240,6 +245,30 @@ class TritonRouter:
                 pool_tokens=cfg.pool_tokens, pooling=cfg.pooling, norm=self.norm,
             )  # fmt: skip
         return r
+
+    def route_into(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch, cfg: ElasticConfig, tables) -> None:
+        """Route the rows of ``rb`` at ``layer`` and write the engine's tables from the kernel itself: the
+        glue of :func:`route_layer` + ``EngineState.route`` (forced rows, decision -> mode, decode-phase
+        modes, this step's row modes, the per-request tables of final routings) in the router's finishing
+        program, two launches per layer instead of ~14 small ops. ``tables``: (row_modes [L, B, Hkv],
+        table_modes, table_fa, table_logits) of the engine state. Rows with a fixed SA share use
+        :func:`route_layer`."""
+        from elastic_vllm.csrc.route import RouteEpilogue, check_epilogue
+
+        R = rb.rows.numel()
+        row_modes, t_modes, t_fa, t_logits = tables
+        ep = RouteEpilogue(
+            rows=rb.rows_i32, force=rb.force, decode_phase=rb.decode_phase, final_slot=rb.final_slot_row,
+            row_modes=row_modes, table_modes=t_modes, table_fa=t_fa, table_logits=t_logits,
+            decode_dense=cfg.decode_mode == "dense",
+        )  # fmt: skip
+        if not self._epilogue_checked:  # the engine's tables and RouteBatch dtypes never change: once
+            check_epilogue(ep, R, row_modes.shape[0], row_modes.shape[2], key_cache.device)
+            self._epilogue_checked = True
+        self._launcher(key_cache, cfg)(
+            key_cache, rb.block_table, rb.rows_i32, rb.ends, self.slots[:R], layer, epilogue=ep,
+            fa_value=int(cfg.fa_mode), sa_value=int(cfg.sa_mode),
+        )  # fmt: skip
 
     def logits(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch, cfg: ElasticConfig) -> torch.Tensor:
         """Router logits [R, Hkv, 2] of the rows of ``rb`` at ``layer``: two kernel launches through a

@@ -555,6 +555,13 @@ class EngineState(compat.RunnerObserver):
     # --- per layer (impl.forward) ----------------------------------------------------------------
     def route(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch) -> None:
         t0 = self.timer.start()
+        if self.kernel_router is not None and rb.any_auto and rb.share_idx is None:
+            # the fused path: the router kernel writes row_modes and the final routings' tables itself
+            tables = (self.row_modes, self.table_modes, self.table_fa, self.table_logits)
+            self.kernel_router.route_into(layer, key_cache, rb, self.cfg, tables)
+            observe.COUNTERS.fused_route_layers += 1
+            self.timer.stop(t0)
+            return
         logits, fa, modes, pooled = route_layer(
             layer, key_cache, rb, self.router, self.rope, self.cfg, self.num_kv_heads, self.kernel_router
         )

@@ -211,3 +211,79 @@ def test_prepared_router_repeated_calls_rearm_counters():
         torch.testing.assert_close(lg, want, atol=LOGIT_ATOL, rtol=1e-5)
     assert (table != 9).all()
     assert int(r.workspace(2)[3].abs().sum()) == 0  # counters back at zero
+
+
+@pytest.mark.parametrize("decode_mode, fa_v, sa_v", [("sparse", 0, 1), ("dense", 2, 1), ("sparse", 0, 2)],
+                         ids=["FA-SSA-sparse", "XA-SSA-dense", "FA-XA-sparse"])  # fmt: skip
+def test_route_epilogue_writes_the_engine_tables(decode_mode, fa_v, sa_v):
+    """The fused glue: forced rows, decode-phase modes, row modes of this step and the per-request tables,
+    against the plugin's own torch functions applied to the reference logits; entries the epilogue must
+    not touch keep their sentinels (-7 / NaN)."""
+    from elastic_vllm.csrc.route import RouteEpilogue
+
+    from elastic_vllm.vllm_plugin.routing import decode_modes
+
+    lens = [300, 150, 220, 90]
+    batch, spec, router, rows, plens = make_case(lens)
+    R, hkv, L, layer = len(lens), batch.key_cache.shape[2], 3, 1
+    force = torch.tensor([0, 1, 2, 0], dtype=torch.int8)  # auto, all-FA, all-SA, auto
+    dphase = torch.tensor([False, False, True, True])
+    fslot = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
+    brow = torch.tensor([2, 0, 5, 4], dtype=torch.int32)  # batch rows of the routed rows
+    e = RouteEpilogue(
+        rows=brow, force=force, decode_phase=dphase, final_slot=fslot,
+        row_modes=torch.full((L, 7, hkv), -7, dtype=torch.int32), table_modes=torch.full((6, L, hkv), -7, dtype=torch.int8),
+        table_fa=torch.zeros(6, L, hkv, dtype=torch.bool), table_logits=torch.full((6, L, hkv, 2), float("nan")),
+        decode_dense=decode_mode == "dense",
+    )  # fmt: skip
+    fa_before = e.table_fa.clone()
+    table = torch.zeros(R, L, hkv, dtype=torch.int8)
+    route(
+        batch.key_cache, batch.block_table, rows, plens, rows, pack_router_weights(router), layer, table,
+        inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, fa_value=fa_v, sa_value=sa_v, epilogue=e,
+    )  # fmt: skip
+    z = route_logits_ref(batch.key_cache, batch.block_table, rows, plens, router, layer, spec)
+    sure = ((z[..., 1] - z[..., 0]).abs() > 10 * LOGIT_ATOL).all(1)
+    fa = z[..., 1] > z[..., 0]
+    fa = torch.where(force[:, None] == 1, True, torch.where(force[:, None] == 2, False, fa))
+    modes = torch.where(fa, fa_v, sa_v).to(torch.int8)
+    row_modes = torch.where(dphase[:, None], decode_modes(modes, decode_mode), modes).to(torch.int32)
+    for r in range(R):
+        if not sure[r] and force[r] == 0:
+            continue  # a near-tie: either decision is right
+        assert torch.equal(e.row_modes[layer, brow[r]], row_modes[r]), r
+        if fslot[r] >= 0:
+            s = int(fslot[r])
+            assert torch.equal(e.table_modes[s, layer], modes[r]) and torch.equal(e.table_fa[s, layer], fa[r])
+            torch.testing.assert_close(e.table_logits[s, layer], z[r], atol=LOGIT_ATOL, rtol=1e-5)
+    touched = torch.zeros(L, 7, dtype=torch.bool)
+    touched[layer, brow.long()] = True
+    assert (e.row_modes[~touched] == -7).all()
+    final = torch.zeros(6, L, dtype=torch.bool)
+    final[fslot[fslot >= 0].long(), layer] = True
+    assert (e.table_modes[~final] == -7).all() and e.table_logits[~final].isnan().all()
+    assert torch.equal(e.table_fa[~final], fa_before[~final])
+    assert not e.table_logits[final].isnan().any()
+
+
+def test_route_epilogue_errors_name_the_table():
+    from elastic_vllm.csrc.route import RouteEpilogue
+
+    batch, spec, router, rows, plens = make_case([120, 80])
+    R, hkv, L = 2, batch.key_cache.shape[2], 3
+    good = dict(
+        rows=rows, force=torch.zeros(R, dtype=torch.int8), decode_phase=torch.zeros(R, dtype=torch.bool),
+        final_slot=torch.zeros(R, dtype=torch.int32), row_modes=torch.zeros(L, 4, hkv, dtype=torch.int32),
+        table_modes=torch.zeros(3, L, hkv, dtype=torch.int8), table_fa=torch.zeros(3, L, hkv, dtype=torch.bool),
+        table_logits=torch.zeros(3, L, hkv, 2), decode_dense=True,
+    )  # fmt: skip
+    args = (batch.key_cache, batch.block_table, rows, plens, rows, pack_router_weights(router), 0,
+            torch.zeros(R, L, hkv, dtype=torch.int8))  # fmt: skip
+    for field, bad, msg in (
+        ("final_slot", torch.zeros(R, dtype=torch.int64), "final_slot: dtype int64 not supported"),
+        ("row_modes", torch.zeros(L + 1, 4, hkv, dtype=torch.int32), "row_modes: dimension 0 is 4, expected 3"),
+        ("table_logits", torch.zeros(3, L, hkv, 3), "table_logits: dimension 3 is 3, expected 2"),
+        ("table_fa", torch.zeros(2, L, hkv, dtype=torch.bool), "table_fa: dimension 0 is 2, expected 3"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            route(*args, inv_freq=spec.inv_freq, epilogue=RouteEpilogue(**{**good, field: bad}))

@@ -101,8 +101,10 @@ def test_triton_kernels_path_equals_torch_path(tiny):
     }
     prompts = [p + " " + p for p in PROMPTS[:2]]  # ~30-35 tokens: 2-3 XA blocks, past the SSA window
     results = {}
+    fused = {}
     for ops in ("torch", "triton"):
         cfg = {"elastic": {**knobs, "router_path": str(router)}, "elastic_ops": ops}
+        before = observe.COUNTERS.fused_route_layers
         llm = make_llm(
             model, attention_backend="elastic", additional_config=cfg, **{**ENGINE, "max_num_batched_tokens": 32}
         )
@@ -111,6 +113,8 @@ def test_triton_kernels_path_equals_torch_path(tiny):
         finally:
             close_llm(llm)
         results[ops] = [(o.outputs[0].token_ids, top_logprobs(o), event_of(o.request_id)) for o in outs]
+        fused[ops] = observe.COUNTERS.fused_route_layers - before
+    assert fused["torch"] == 0 and fused["triton"] > 0  # the kernel wrote the routing tables itself
     modes = set()
     for (t_a, lp_a, e_a), (t_b, lp_b, e_b) in zip(results["torch"], results["triton"]):
         assert t_a == t_b
