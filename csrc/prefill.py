@@ -27,6 +27,7 @@ lists, each with its own rows enabled.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -348,11 +349,18 @@ def _prefill_kernel(
 
 
 def default_prefill_config(head_dim: int, group: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """A copy of the tile sizes of ``_default_prefill_config`` (cached per argument set: the launcher asks
+    once per layer and step, and the device-capability query costs more than the launch's own checks)."""
+    return dict(_default_prefill_config(head_dim, group, dtype, device, interpret()))
+
+
+@functools.lru_cache(maxsize=64)
+def _default_prefill_config(head_dim: int, group: int, dtype: torch.dtype, device, interp: bool) -> dict:
     """Tile sizes. Hopper+ (>= 227 KB of shared memory per block), 16-bit, d <= 128: 128-row query
     tiles x 128-key tiles, 8 warps (two warpgroups of 64 rows), 3 stages = three K/V buffers:
     224 KB at d 128 (H200, first run: 128-key tiles 350 TFLOP/s vs 290 with 64-key tiles, both
     before the pipelining fix). Other GPUs and fp32 (a checking path): tiles that fit ~128 KB."""
-    if interpret():
+    if interp:
         # the interpreter's cost is per program and per op: big tiles, few programs
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 1}
     big_smem = device is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
@@ -539,16 +547,13 @@ def prefill_attention(
             raise ValueError(f"use_tma: {why}")
     auto_tma = use_tma is None and _tma_capable(dev) and tma_unsupported(key_cache, value_cache, bn) is None
     tma = bool(use_tma) or auto_tma
+    ks, vs = key_cache.stride(), value_cache.stride()
     args = (
         q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, head_modes, hm_slots, xi, xc,
         _tma_descriptor(key_cache, bn) if tma else key_cache, _tma_descriptor(value_cache, bn) if tma else value_cache,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), head_modes.stride(0), head_modes.stride(1),
+        *q.stride()[:2], *out.stride()[:2], *ks[:3], *vs[:3], block_table.stride(0), *head_modes.stride(),
         xis[0], xis[1], xis[2], xcs[0], xcs[1],
-        B, hkv, n_tiles, sink, window, scale * 1.4426950408889634,
-        key_cache.stride(0) // key_cache.stride(1), value_cache.stride(0) // value_cache.stride(1),
+        B, hkv, n_tiles, sink, window, scale * 1.4426950408889634, ks[0] // ks[1], vs[0] // vs[1],
     )  # fmt: skip
     meta = dict(
         G=g, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=max(next_pow2(d), 16),
