@@ -31,3 +31,16 @@ def test_kernels_benchmark_dry_run(tmp_path):
     assert set(rows) == {("planes", 1), ("planes", 2), ("vllm_interleaved", 1), ("vllm_interleaved", 2)}
     assert all(r["rel_diff_vs_first"] < 1e-2 and r["ms"] > 0 for r in rows.values())
     assert {r["mode"] for r in d["decode"]} == {"dense", "sparse"}
+
+
+def test_host_overhead_script_reports_every_launcher(tmp_path):
+    out = tmp_path / "host.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--calls", "20", "--repeats", "1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert set(d["us_per_call"]) == {"prefill_attention", "decode_attention", "Router.__call__ (2 launches)"}
+    assert all(v > 0 for v in d["us_per_call"].values()) and d["git_commit"] and d["command"]

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Host (Python) time of the csrc launchers per call, with the Triton launch itself stubbed out.
+
+    python3 benchmarks/host_overhead.py --out benchmarks/results/host-overhead-cpu.json
+
+vLLM runs the attention op eagerly between graph pieces at prefill, once per layer and step, so what the
+launchers do on the host before the launch is paid 32x per step on an 8B model (the decode launch is
+captured in CUDA graphs and replayed without it). Shapes: the Llama-3.1-8B attention (32 q / 8 KV heads,
+d 128), an 8K prompt in vLLM's cache layout for the elastic backend ([blocks, 16, 8, 2 x 128] bf16, CPU
+tensors: nothing is launched). Each launcher is called ``--calls`` times after a warm-up; the median of
+``--repeats`` runs is reported. CPU numbers: the GPU machine's CPU runs the same Python faster. The kernels
+come from this file's checkout (``csrc`` next to ``benchmarks``), so copying the script into a worktree of
+an older commit measures that commit. Run it on a quiet machine: a concurrent test run doubled the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.pop("TRITON_INTERPRET", None)  # the launchers' GPU-path config, not the interpreter's
+
+import torch  # noqa: E402
+
+
+class _NoLaunch:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **meta)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+
+def _time(fn, calls: int, repeats: int) -> float:
+    for _ in range(50):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(runs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    from csrc import decode, prefill, route  # this checkout's kernels (ROOT is first on sys.path)
+    from elastic_vllm.router.model import ElasticRouter
+
+    for mod, names in ((prefill, ["_prefill_kernel"]), (decode, ["_decode_kernel", "_decode_merge_kernel"]),
+                       (route, ["_route_task_kernel", "_route_router_kernel", "_route_pool_kernel"])):  # fmt: skip
+        for n in names:
+            setattr(mod, n, _NoLaunch())
+    S, hq, hkv, d, bs, B = 8192, 32, 8, 128, 16, 16
+    kv = torch.empty(S // bs + 1, bs, hkv, 2 * d, dtype=torch.bfloat16)
+    k, v = kv[..., :d], kv[..., d:]
+    q = torch.empty(S, hq, d, dtype=torch.bfloat16)
+    bt = torch.zeros(1, S // bs, dtype=torch.int32)
+    qsl, sl = torch.tensor([0, S], dtype=torch.int32), torch.tensor([S], dtype=torch.int32)
+    hm, out = torch.zeros(1, hkv, dtype=torch.int8), torch.empty_like(q)
+    rows = {}
+    rows["prefill_attention"] = _time(
+        lambda: prefill.prefill_attention(q, k, v, bt, qsl, sl, hm, sink=128, window=2048, out=out),
+        args.calls, args.repeats,
+    )  # fmt: skip
+    qd = torch.empty(B, hq, d, dtype=torch.bfloat16)
+    btd = torch.zeros(B, S // bs, dtype=torch.int32)
+    sld, hmd = torch.full((B,), S, dtype=torch.int32), torch.zeros(B, hkv, dtype=torch.int8)
+    rows["decode_attention"] = _time(
+        lambda: decode.decode_attention(qd, k, v, btd, sld, hmd, sink=128, window=2048, max_seq_len=S, num_splits=1),
+        args.calls, args.repeats,
+    )  # fmt: skip
+    L = 32
+    w = route.pack_router_weights(ElasticRouter(L, d))
+    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
+    table = torch.zeros(1, L, hkv, dtype=torch.int8)
+    r = route.Router(w, table, inv_freq=inv, num_kv_heads=hkv, head_dim=d, block_size=bs, pdl=False)
+    one = torch.zeros(1, dtype=torch.int32)
+    rows["Router.__call__ (2 launches)"] = _time(lambda: r(k, bt, one, sl, one, 3), args.calls, args.repeats)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    report = {
+        "what": "host Python time per launcher call (us), Triton launch stubbed out; median of repeats",
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "git_commit": os.environ.get("GIT_COMMIT") or commit,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "shape": {"S": S, "Hq": hq, "Hkv": hkv, "d": d, "block_size": bs, "decode_batch": B, "layers": L},
+        "us_per_call": {k_: round(v_, 1) for k_, v_ in rows.items()},
+    }
+    print(json.dumps(report["us_per_call"]))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
