@@ -55,7 +55,7 @@ class RouteBatch:
     final_slots: torch.Tensor  # [F] long: their routing-table slots
     any_auto: bool  # some row needs the router (not every row forced)
     # host facts of the rows, so the per-layer glue launches no op that would change nothing (H200 e2e:
-    # the router-step time of an 8K prefill was 12-14 ms before, 1.6-1.7 ms with these and the faster kernel)
+    # the router-step time of an 8K prefill was 12-14 ms before, 1.5-2.2 ms with these and the faster kernel)
     any_forced: bool  # some row is all-FA / all-SA
     any_decode_phase: bool  # some row's queries are past its prompt
     rows_i32: torch.Tensor  # [R] int32: rows, for the router kernel (cast once per step)
