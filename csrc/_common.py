@@ -37,6 +37,14 @@ def pdl_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def resolve_pdl(pdl: bool | None, device: torch.device) -> bool:
+    """A launcher's ``pdl`` argument: None = where supported; True where unsupported is a ValueError."""
+    use = pdl_supported(device) if pdl is None else bool(pdl)
+    if use and not pdl_supported(device):
+        raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device of capability >= 9.0, got {device}")
+    return use
+
+
 def check_tensor(
     t,
     name: str,

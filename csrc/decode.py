@@ -40,7 +40,7 @@ from ._common import (
     interpret,
     next_pow2,
     num_sms,
-    pdl_supported,
+    resolve_pdl,
 )
 
 
@@ -260,9 +260,7 @@ def decode_attention(
         raise ValueError(f"sink/window: need sink >= 0 and window >= 1, got sink={sink} window={window}")
     if not isinstance(max_seq_len, int) or max_seq_len < 0:
         raise ValueError(f"max_seq_len: a Python int >= 0 is required, got {max_seq_len!r}")
-    use_pdl = pdl_supported(dev) if pdl is None else bool(pdl)
-    if use_pdl and not pdl_supported(dev):
-        raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device of capability >= 9.0, got {dev}")
+    use_pdl = resolve_pdl(pdl, dev)
     if out is None:
         out = torch.empty_like(q)
     else:

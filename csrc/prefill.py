@@ -349,8 +349,8 @@ def _prefill_kernel(
 
 
 def default_prefill_config(head_dim: int, group: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
-    """A copy of the tile sizes of ``_default_prefill_config`` (cached per argument set: the launcher asks
-    once per layer and step, and the device-capability query costs more than the launch's own checks)."""
+    """A copy of the tile sizes of ``_default_prefill_config``, cached per argument set: the launcher asks once
+    per layer and step, and the cache spares it an environment read and (on CUDA) a capability query each time."""
     return dict(_default_prefill_config(head_dim, group, dtype, device, interpret()))
 
 
@@ -410,9 +410,9 @@ def _tma_descriptor(cache: torch.Tensor, block_n: int):
 
 def _tma_capable(device: torch.device) -> bool:
     """Auto mode's TMA: off unless ELASTIC_PREFILL_TMA=1. Measured on the H200 (the tune section of four
-    kernels.py runs, bs 128, 128 x 128 tiles, 32K): pointer loads were faster in 3 of 4 runs dense
-    (16.5-17.1 vs 17.6-18.0 ms) and in 3 of 4 at SA 0.75 (6.06-6.36 vs 6.64-7.71 ms); the one
-    exception was the spilling build (dev/kernels-4-h200-vector-map.json)."""
+    kernels.py runs, bs 128, 128 x 128 tiles, 32K): pointer loads were faster dense in 3 of 4 runs
+    (16.5-17.1 vs 17.6-18.0 ms; the exception, 18.3 vs 18.2 ms, was the spilling build of
+    dev/kernels-4-h200-vector-map.json) and at SA 0.75 in all 4 (6.06-6.80 vs 6.64-7.71 ms)."""
     if interpret() or os.environ.get("ELASTIC_PREFILL_TMA", "0") != "1" or _TMA_FAILED:
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, next_pow2, pdl_supported
+from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, next_pow2, resolve_pdl
 
 FUSED_POOL_MAX = 512  # pooled positions up to which launch 1 pools by itself (boundary default: 200)
 POOL_PROGRAMS = 32  # token-parallel pooling programs per (request, head) otherwise
@@ -424,9 +424,7 @@ class Router:
             if not norm.is_contiguous():
                 raise ValueError("norm: must be contiguous (use pack_router_norm)")
         self.norm = norm
-        self.pdl = pdl_supported(dev) if pdl is None else bool(pdl)
-        if self.pdl and not pdl_supported(dev):
-            raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device of capability >= 9.0, got {dev}")
+        self.pdl = resolve_pdl(pdl, dev)
         rot = 2 * inv_freq.shape[0]
         if rot == 0 or rot > d:
             raise ValueError(f"inv_freq: rotary_dim {rot} must be in (0, head_dim {d}]")

@@ -9,7 +9,7 @@ no launch). From each cubin, with the cuobjdump that Triton ships: registers, st
 and the global loads by width (LDG.E = 4 bytes, LDG.E.128 = 16 bytes). Rows: the prefill kernel in both
 program orders at block size 16 and 128 (Llama-3.1-8B attention shape); the two router kernels with
 packed weight rows padded (``pack_router_weights``) and unpadded (``router_param_count`` floats), with the
-order of their loads and barriers (``schedule``).
+order of their loads and barriers (``schedule``); the decode split and merge kernels.
 """
 
 from __future__ import annotations
@@ -126,12 +126,13 @@ def prefill_rows() -> list[dict]:
 
 
 def router_rows() -> list[dict]:
+    from elastic_vllm.csrc import _common
     from elastic_vllm.csrc import route as R
 
     from elastic_vllm.router.model import ElasticRouter
 
     got = _capture(R._route_task_kernel, R._route_router_kernel)
-    R.pdl_supported = lambda device: True  # the fake sm_90 device: build what an H200 runs (launch 2 as PDL)
+    _common.pdl_supported = lambda device: True  # the fake sm_90 device: build what an H200 runs (launch 2 as PDL)
     L, d, hkv, bs, S = 32, 128, 8, 16, 8192
     padded = R.pack_router_weights(ElasticRouter(L, d))
     rows = []
@@ -147,12 +148,30 @@ def router_rows() -> list[dict]:
     return rows
 
 
+def decode_rows() -> list[dict]:
+    """The split-KV decode kernel and its merge kernel (a programmatic dependent launch on sm_90) at 32K x 16."""
+    from elastic_vllm.csrc import _common
+    from elastic_vllm.csrc import decode as D
+
+    got = _capture(D._decode_kernel, D._decode_merge_kernel)
+    _common.pdl_supported = lambda device: True
+    D.num_sms = lambda device: 132  # the H200's SM count: the split count the GPU would use
+    B, hq, hkv, d, bs, ctx = 16, 32, 8, 128, 16, 32768
+    kv = torch.empty(B * ctx // bs + 1, 2, bs, hkv, d, dtype=torch.bfloat16)
+    D.decode_attention(
+        torch.empty(B, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(B, ctx // bs, dtype=torch.int32),
+        torch.full((B,), ctx, dtype=torch.int32), torch.zeros(B, hkv, dtype=torch.int8), sink=128, window=2048,
+        max_seq_len=ctx,
+    )  # fmt: skip
+    return [{"kernel": k, "block_size": bs, **_resources(got[k])} for k in ("_decode_kernel", "_decode_merge_kernel")]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     driver.set_active(_Sm90())
-    rows = prefill_rows() + router_rows()
+    rows = prefill_rows() + router_rows() + decode_rows()
     commit = (
         os.environ.get("GIT_COMMIT")
         or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
