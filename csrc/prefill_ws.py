@@ -1,0 +1,164 @@
+"""The FA/SSA prefill kernel in the shape Triton's Hopper warp specialization accepts (``use_ws``).
+
+Triton 3.6 splits a ``tl.range(..., warp_specialize=True)`` loop on sm_90 into a TMA producer warp group and two
+64-row consumer warp groups (Meta's autoWS, ``add_hopper_warpspec``): the softmax of one consumer overlaps the
+other's GEMMs, the overlap FA3 gets by hand and the plain kernel (``prefill._prefill_kernel``) cannot have. On a
+plain paged FA loop it took the H200 from 461 to 570 TFLOP/s (benchmarks/ws_probe.py,
+benchmarks/results/dev/ws-probe-h200.json). The pass is narrow; offline sm_90 builds showed what it needs, and
+this kernel is written to it:
+
+- ONE key loop, the last loop of the program: every visible tile (sink tiles, then window tiles, the diagonal
+  included) goes through it with the token-exact mask applied. A second loop after it, or a tile processed
+  before it, broke the pass (``operation destroyed but still has uses`` / a failed pass).
+- No ``scf.while`` anywhere (the request lookup is a fixed number of binary-search steps) and no early return.
+- Every K/V/Q tile a TMA load of a host tensor descriptor: K/V as 3-D [blocks, block_size, cols] views
+  (column = head * head stride + d), so a key tile must lie inside one cache block (block_size % BLOCK_N == 0).
+- One query head per program (BLOCK_M query tokens): the G heads of a KV head read the same K/V tiles through
+  L2 instead of being packed into the rows (the packed Q tile, a reshape, broke the pass's data partitioning).
+
+Keys past seq_len: the tile that crosses seq_len is loaded shifted back so that it ENDS at seq_len; its first
+rows are then earlier keys of the same block (masked as j < k0) or, before the block's start, rows the TMA unit
+fills with zeros (negative coordinates). No row past seq_len is read, so the cache there may hold anything,
+NaN bit patterns included (the same guarantee as the pointer kernel's masked loads).
+
+XA heads (the block-list loop) are not handled here: launches with XA metadata use ``_prefill_kernel``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_ws_kernel(
+    q_desc,  # [T, Hq * D] view of q, box [BLOCK_M, D]
+    k_desc,  # [num_blocks, block_size, cols] view of the key cache, box [1, BLOCK_N, D]
+    v_desc,
+    o,
+    block_table,
+    query_start_loc,
+    seq_lens,
+    head_modes,
+    head_mode_slots,
+    s_ot,
+    s_oh,
+    s_kh,
+    s_vh,
+    s_bt,
+    s_hm0,
+    s_hm1,
+    num_reqs,
+    num_kv_heads,
+    n_tiles,
+    sink,
+    window,
+    qk_scale,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    FA_FIRST: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    WS: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    hq = num_kv_heads * G
+    # query tiles of BLOCK_M tokens, request b owning tiles [query_start_loc[b] // BLOCK_M + b, ...), last first
+    i_t = n_tiles - 1 - i_p // hq
+    lo = i_t * 0
+    hi = num_reqs - 1
+    for _ in tl.static_range(SEARCH_STEPS):  # >= ceil(log2(num_reqs)) steps; once lo == hi, a step keeps it
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(query_start_loc + mid) // BLOCK_M + mid <= i_t
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    i_b = lo
+    q_start = tl.load(query_start_loc + i_b)
+    q_end = tl.load(query_start_loc + i_b + 1)
+    q_len = q_end - q_start
+    t_start = q_start // BLOCK_M + i_b
+    t_cap = tl.where(i_b + 1 < num_reqs, q_end // BLOCK_M + i_b + 1, n_tiles) - t_start
+    if HAS_SLOTS:
+        i_row = tl.load(head_mode_slots + i_b).to(tl.int64)
+    else:
+        i_row = i_b.to(tl.int64)
+    i_l = i_p - (n_tiles - t_start - t_cap) * hq  # rank of this program among its request's t_cap x Hq
+    if FA_FIRST:
+        # as in _prefill_kernel: the long (FA) heads of every tile first, heaviest tile first, the G query heads
+        # of a KV head adjacent (they read the same K/V tiles at the same time); then the SSA heads. Scalar
+        # loads in a static loop keep the head index uniform.
+        p_md = head_modes + i_row * s_hm0
+        n_long = i_b * 0
+        for h in tl.static_range(BLOCK_H):
+            md = tl.load(p_md + h * s_hm1, mask=h < num_kv_heads, other=1).to(tl.int32)
+            n_long += (md != 1).to(tl.int32)
+        in_long = i_l < n_long * G * t_cap
+        n_grp = tl.maximum(tl.where(in_long, n_long, num_kv_heads - n_long), 1) * G
+        i_g = tl.where(in_long, i_l, i_l - n_long * G * t_cap)
+        rank = (i_g % n_grp) // G
+        i_h = i_b * 0
+        c_grp = i_b * 0
+        for h in tl.static_range(BLOCK_H):
+            md = tl.load(p_md + h * s_hm1, mask=h < num_kv_heads, other=1).to(tl.int32)
+            in_grp = (h < num_kv_heads) & ((md != 1) == in_long)
+            i_h = tl.where(in_grp & (c_grp == rank), h, i_h)
+            c_grp += in_grp.to(tl.int32)
+        i_hq = i_h * G + i_g % G
+        i_tl = t_cap - 1 - i_g // n_grp
+    else:
+        i_hq = i_p % hq
+        i_h = i_hq // G
+        i_tl = i_t - t_start
+    seq_len = tl.load(seq_lens + i_b)
+    ctx = seq_len - q_len
+    mode = tl.load(head_modes + i_row * s_hm0 + i_h * s_hm1).to(tl.int32)
+    is_ssa = mode == 1
+    eff_sink = tl.where(is_ssa, sink, 0)
+    eff_window = tl.where(is_ssa, window, 1 << 30)
+
+    o_m = tl.arange(0, BLOCK_M)
+    m_row = i_tl * BLOCK_M + o_m < q_len  # all False for the spare programs (i_tl * BLOCK_M >= q_len)
+    q_pos = tl.where(m_row, ctx + i_tl * BLOCK_M + o_m, -1)
+    q_lo = ctx + i_tl * BLOCK_M
+    q_hi = tl.where(i_tl * BLOCK_M < q_len, tl.minimum(q_lo + BLOCK_M, seq_len) - 1, -1)
+    # visible tiles: sink tiles [0, s_hi), then window tiles [w_lo, w_hi) (never revisiting a sink tile)
+    s_hi = tl.cdiv(tl.minimum(eff_sink, q_hi + 1), BLOCK_N)
+    w_lo = tl.maximum(s_hi, tl.maximum(q_lo - eff_window + 1, 0) // BLOCK_N)
+    w_hi = tl.cdiv(q_hi + 1, BLOCK_N)
+    n_vis = tl.maximum(s_hi + w_hi - w_lo, 0)
+
+    # rows of other requests or past T are finite (their queries) or zero (TMA bounds): masked at the store
+    b_q = q_desc.load([q_start + i_tl * BLOCK_M, i_hq * HEAD_DIM])  # [BM, D]
+    p_bt = block_table + i_b.to(tl.int64) * s_bt
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    for i_v in tl.range(0, n_vis, warp_specialize=WS):
+        i_n = tl.where(i_v < s_hi, i_v, w_lo + i_v - s_hi)
+        k0 = i_n * BLOCK_N
+        blk = tl.load(p_bt + k0 // BS)
+        shift = tl.maximum(k0 + BLOCK_N - seq_len, 0)  # > 0 only for the tile crossing seq_len
+        t0 = k0 % BS - shift
+        b_k = k_desc.load([blk, t0, i_h * s_kh]).reshape(BLOCK_N, HEAD_DIM)
+        b_s = tl.dot(b_q, b_k.T)  # [BM, BN] raw scores
+        j = k0 - shift + tl.arange(0, BLOCK_N)  # key position of each loaded row
+        diff = q_pos[:, None] - j[None, :]
+        vis = (diff >= 0) & ((diff < eff_window) | (j < eff_sink)[None, :]) & (j >= k0)[None, :]
+        b_s = tl.where(vis, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)  # m_i starts finite: never -inf
+        alpha = tl.exp2(m_i - m_new)
+        b_p = tl.exp2(b_s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        b_v = v_desc.load([blk, t0, i_h * s_vh]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(b_p.to(b_v.dtype), b_v, acc * alpha[:, None])
+        m_i = m_new
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    b_o = acc / l_i[:, None]
+    o_d = tl.arange(0, HEAD_DIM)
+    o_row = (q_start + i_tl * BLOCK_M + o_m).to(tl.int64)
+    p_o = o + o_row[:, None] * s_ot + (i_hq * s_oh + o_d)[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None])
