@@ -363,19 +363,15 @@ def correctness() -> None:
         kc, vc, bt = paged(x, bs)
         for share in (0.0, 0.75):
             hm = head_modes(share)
+            out = prefill_attention(x["q"], kc, vc, bt, x["qsl"], x["sl"], hm, sink=SINK, window=WINDOW)
             ref = chunked_reference(x["q"], kc, vc, bt, x["qsl"], x["sl"], hm, SINK, WINDOW)
             base = chunked_reference(x["q"], kc, vc, bt, x["qsl"], x["sl"], hm, SINK, WINDOW, compute_dtype=DT)
+            err = float((out.float() - ref.float()).abs().max())
             bound = 2 * float((base.float() - ref.float()).abs().max()) + 1e-3
-            ws_kw = {"block_m": 16, "block_n": 16} if DEV.type != "cuda" else {}
-            for what, kw in (("default config", {}), ("use_ws", {"use_ws": True, **ws_kw})):
-                if what == "use_ws" and bs % 128 and DEV.type == "cuda":
-                    continue  # a 128-key tile must lie in one block
-                out = prefill_attention(x["q"], kc, vc, bt, x["qsl"], x["sl"], hm, sink=SINK, window=WINDOW, **kw)
-                err = float((out.float() - ref.float()).abs().max())
-                item = {"what": f"prefill {S} d128 bs{bs} SA {share} ({what})", "err": err, "bound": bound,
-                        "ok": err <= bound}  # fmt: skip
-                res.append(item)
-                log(item)
+            item = {"what": f"prefill {S} d128 bs{bs} SA {share} (default config)", "err": err, "bound": bound,
+                    "ok": err <= bound}  # fmt: skip
+            res.append(item)
+            log(item)
     del x
     # decode, 16 requests of ragged length, sparse
     B = 16
@@ -407,7 +403,6 @@ TUNE_CANDIDATES = [
     {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": True},
     {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": False},
     {"bs": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "use_tma": True},
-    {"bs": 128, "use_ws": True},  # prefill_ws: warp-specialized, 128 x 128 tiles, 4 warps per group, 2 stages
 ]
 
 
@@ -419,7 +414,6 @@ TUNE_CANDIDATES_D64 = [
     {"bs": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "use_tma": False},
     {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 4, "use_tma": False},
     {"bs": 128, "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "use_tma": False},
-    {"bs": 128, "use_ws": True},
 ]
 
 
@@ -429,7 +423,6 @@ def tune_section(d: int = 128) -> None:
     fastest correct one (geometric mean of the two times) for the rest of the run (head_dim d)."""
     global OURS
     from elastic_vllm.csrc.prefill import _prefill_kernel
-    from elastic_vllm.csrc.prefill_ws import _prefill_ws_kernel
 
     rows = REPORT.setdefault("tune", [])
     S = 32768 if DEV.type == "cuda" else 256
@@ -437,8 +430,7 @@ def tune_section(d: int = 128) -> None:
     if DEV.type == "cuda":
         cands = TUNE_CANDIDATES if d == 128 else TUNE_CANDIDATES_D64
     else:
-        cands = [{"bs": 16, "block_n": 32}, {"bs": 32, "block_n": 32, "use_tma": True},
-                 {"bs": 32, "block_m": 16, "block_n": 32, "use_ws": True}]  # fmt: skip
+        cands = [{"bs": 16, "block_n": 32}, {"bs": 32, "block_n": 32, "use_tma": True}]
     base_out = {}
     scores = []
     for i, cfg in enumerate(cands):
@@ -477,7 +469,6 @@ def tune_section(d: int = 128) -> None:
     REPORT["ours_config"] = OURS
     REPORT["ours_config_by_head_dim"] = {str(k): v for k, v in OURS_BY_D.items()}
     REPORT["prefill_kernel_variants"] = kernel_resources(_prefill_kernel)
-    REPORT["prefill_ws_kernel_variants"] = kernel_resources(_prefill_ws_kernel)
     log(f"ours (d {d}) = {ours_cfg(d)}")
     del x, base_out
 

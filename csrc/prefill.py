@@ -419,6 +419,11 @@ def _tma_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+WS_GPU_BLOCKED = (
+    "Triton 3.6's Hopper warp specialization miscompiles this kernel on the GPU (the masked loop gives wrong rows, "
+    "the pointer-store epilogue writes half of them: benchmarks/results/dev/ws-bisect-h200.json and "
+    "ws-prefill-h200.json); until a Triton that builds it correctly, it runs only under TRITON_INTERPRET=1"
+)
 WS_TILES = {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2}  # per consumer warp group
 
 
@@ -446,14 +451,6 @@ def ws_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     return None
 
 
-def _ws_capable(device: torch.device) -> bool:
-    """Auto mode's warp specialization: sm_90 with ELASTIC_PREFILL_WS=1 (Triton's Hopper pass; Blackwell has its
-    own and is not measured)."""
-    if interpret() or os.environ.get("ELASTIC_PREFILL_WS", "0") != "1":
-        return False
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def _ws_descriptor(cache: torch.Tensor, block_n: int):
     """The cache as [num_blocks, block_size, cols], column = head * stride(2) + d, box [1, block_n, D]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -461,6 +458,27 @@ def _ws_descriptor(cache: torch.Tensor, block_n: int):
     nb, bs, hkv, d = cache.shape
     cols = (hkv - 1) * cache.stride(2) + d
     return TensorDescriptor(cache, [nb, bs, cols], [cache.stride(0), cache.stride(1), 1], [1, block_n, d])
+
+
+_SCRATCH: dict = {}
+
+
+def _ensure_allocator(device: torch.device) -> None:
+    """Device-side tensor descriptors need global scratch memory (128 bytes per descriptor per program), which
+    Triton asks its allocator for at launch. Unless the caller set one, a per-device buffer that grows as needed
+    and is reused (launches on one stream run in order, so reuse is safe there)."""
+    from triton.runtime import _allocation
+
+    if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        return
+
+    def alloc(size: int, alignment: int, stream):
+        buf = _SCRATCH.get(device)
+        if buf is None or buf.numel() < size:
+            buf = _SCRATCH[device] = torch.empty(max(size, 1 << 20), dtype=torch.int8, device=device)
+        return buf
+
+    triton.set_allocator(alloc)
 
 
 def _search_steps(num_reqs: int) -> int:
@@ -471,23 +489,24 @@ def _search_steps(num_reqs: int) -> int:
 
 def _launch_ws(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, head_modes, head_mode_slots,
                sink, window, scale, block_m, block_n, num_warps, num_stages, program_order):  # fmt: skip
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     T, hq, d = q.shape
     hkv = key_cache.shape[2]
     B = seq_lens.shape[0]
     n_tiles = triton.cdiv(T, block_m) + B
-    q_desc = TensorDescriptor(q, [T, hq * d], [q.stride(0), 1], [block_m, d])
+    # Q through a device-side descriptor (with a host one the H200 build hung), K/V through host descriptors
+    if not interpret():
+        _ensure_allocator(q.device)
+    ks, vs = key_cache.stride(), value_cache.stride()
     hm_slots = head_mode_slots if head_mode_slots is not None else seq_lens
     _prefill_ws_kernel[(n_tiles * hq,)](
-        q_desc, _ws_descriptor(key_cache, block_n), _ws_descriptor(value_cache, block_n), out, block_table,
+        q, _ws_descriptor(key_cache, block_n), _ws_descriptor(value_cache, block_n), T, q.stride(0), key_cache.shape[0], ks[0], ks[1], vs[0], vs[1], out, block_table,
         query_start_loc, seq_lens, head_modes, hm_slots, *out.stride()[:2], key_cache.stride(2),
         value_cache.stride(2), block_table.stride(0), *head_modes.stride(), B, hkv, n_tiles, sink, window,
         scale * 1.4426950408889634,
         G=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BS=key_cache.shape[1], HEAD_DIM=d,
         HAS_SLOTS=head_mode_slots is not None, FA_FIRST=program_order == "long_first",
         BLOCK_H=max(next_pow2(hkv), 2), SEARCH_STEPS=_search_steps(B), WS=not interpret(),
-        num_warps=num_warps, num_stages=num_stages,
+        Q_ON_DEVICE=True, KV_ON_DEVICE=False, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -539,11 +558,11 @@ def prefill_attention(
             multiple of block_n, see ``tma_unsupported``). None: pointer loads (measured faster),
             TMA where possible with ELASTIC_PREFILL_TMA=1; True: required (ValueError otherwise);
             False: never.
-        use_ws: run the warp-specialized kernel (``prefill_ws``: one query head per program, TMA loads, a
+        use_ws: the warp-specialized kernel (``prefill_ws``: one query head per program, TMA loads, a
             producer and two consumer warp groups on sm_90; FA/SSA heads only, see ``ws_unsupported``).
-            None: with ELASTIC_PREFILL_WS=1 on sm_90 where supported, else off; True: required (ValueError
-            naming the reason otherwise); False: never. block_m / block_n / num_warps / num_stages
-            override its tiles too (default ``WS_TILES``); use_tma does not apply to it.
+            EXPERIMENTAL: True runs it under the interpreter only and is a ValueError on a GPU
+            (``WS_GPU_BLOCKED``: Triton 3.6 miscompiles it); None / False: the pointer kernel.
+            block_m / block_n / num_warps / num_stages override its tiles (default ``WS_TILES``).
         program_order: "long_first" (default): inside each request the FA/XA programs of every
             query tile run before the SSA programs (heaviest tile first in both groups), so the
             long programs start in waves that read K/V in step; "tile_major": heaviest tile first
@@ -604,12 +623,11 @@ def prefill_attention(
     ws_bn = block_n or WS_TILES["block_n"]
     if use_ws:
         why = ws_unsupported(q, key_cache, value_cache, ws_bn, has_xa)
-        if why is None and not interpret() and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9):
-            why = "the warp-specialized kernel is built for sm_90 (Hopper)"
+        if why is None and not interpret():
+            why = WS_GPU_BLOCKED
         if why:
             raise ValueError(f"use_ws: {why}")
-    if use_ws or (use_ws is None and _ws_capable(dev) and ws_unsupported(q, key_cache, value_cache, ws_bn, has_xa)
-                  is None):  # fmt: skip
+        # the interpreter runs the kernel's program logic (without the specialization)
         bm = block_m or WS_TILES["block_m"]
         if bm < 16 or bm & (bm - 1) or ws_bn < 16 or ws_bn & (ws_bn - 1):
             raise ValueError(f"block_m/block_n: powers of two >= 16 required, got {bm}/{ws_bn}")

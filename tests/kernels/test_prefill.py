@@ -334,3 +334,13 @@ def test_prefill_ws_unsupported_arguments_are_errors():
     with pytest.raises(ValueError, match="use_ws: q: strides"):
         prefill_attention(q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc,
                           batch.seq_lens, hm, sink=2, window=5, use_ws=True, block_m=16, block_n=16)  # fmt: skip
+
+
+def test_prefill_ws_is_refused_outside_the_interpreter(monkeypatch):
+    """On a GPU the WS build is known wrong (WS_GPU_BLOCKED): use_ws must be an error there, never a silent run."""
+    from elastic_vllm.csrc import prefill as P
+
+    monkeypatch.setattr(P, "interpret", lambda: False)
+    batch = make_paged_batch([40], [40], 4, 2, 16, block_size=16, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"use_ws: Triton 3\.6's Hopper warp specialization miscompiles"):
+        run(batch, torch.zeros(1, 2, dtype=torch.int8), 2, 5, use_ws=True, block_m=16, block_n=16)

@@ -2,7 +2,7 @@
 """Probe: does Triton's Hopper automatic warp specialization (``tl.range(..., warp_specialize=True)``) raise
 the tile rate of a plain flash-attention loop over a paged cache on this GPU?
 
-    GIT_COMMIT=<sha> python3 benchmarks/ws_probe.py --out benchmarks/results/dev/ws-probe-h200.json
+    GIT_COMMIT=<sha> python3 benchmarks/ws/probe.py --out benchmarks/results/dev/ws-probe-h200.json
 
 Why: the prefill kernel's FA tiles run at ~527 TFLOP/s, ~67% of the bf16 matmul peak, and the 1.3x targets over
 FlexAttention need the softmax of one warpgroup to overlap the other's GEMMs (FA3's producer/consumer
@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import torch  # noqa: E402
 import triton  # noqa: E402
