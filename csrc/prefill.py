@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attn import attn_step, kv_loop
+from ._attn import attn_step, kv_loop, long_first_head
 from ._common import (
     INDEX_DTYPES,
     MODE_DTYPES,
@@ -262,29 +262,8 @@ def _prefill_kernel(
     # rank of this program inside its request's t_cap x Hkv programs
     i_l = i_p - (n_tiles - t_start - t_cap) * num_kv_heads
     if FA_FIRST:
-        # long heads first (FA, and XA), heaviest tile first, the long heads of one tile adjacent;
-        # then the SSA heads the same way. Long programs of one wave then walk K/V in step and share
-        # it through L2; mixed in with short SSA programs they start staggered, walk different K/V
-        # tiles and, at 128K where one head's K/V (64 MB) outgrows L2, the hybrid turned HBM-bound.
-        # Scalar loads and scalar arithmetic only, so i_h stays a uniform value (a tl.sum/cumsum over a
-        # head vector made it per-thread, and every K/V address derived from it with it: +8 / +26
-        # spilled registers in the sm_90 build, 7% slower dense tiles)
-        p_md = head_modes + i_row * s_hm0
-        n_long = i_b * 0
-        for h in tl.static_range(BLOCK_H):
-            md = tl.load(p_md + h * s_hm1, mask=h < num_kv_heads, other=1).to(tl.int32)
-            n_long += (md != 1).to(tl.int32)
-        in_long = i_l < n_long * t_cap
-        n_grp1 = tl.maximum(tl.where(in_long, n_long, num_kv_heads - n_long), 1)
-        i_g = tl.where(in_long, i_l, i_l - n_long * t_cap)
-        rank = i_g % n_grp1
-        i_h = i_b * 0
-        c_grp = i_b * 0
-        for h in tl.static_range(BLOCK_H):
-            md = tl.load(p_md + h * s_hm1, mask=h < num_kv_heads, other=1).to(tl.int32)
-            in_grp = (h < num_kv_heads) & ((md != 1) == in_long)
-            i_h = tl.where(in_grp & (c_grp == rank), h, i_h)
-            c_grp += in_grp.to(tl.int32)
+        i_h, i_g, n_grp1 = long_first_head(head_modes + i_row * s_hm0, s_hm1, num_kv_heads, i_l, t_cap, i_b, 1,
+                                           BLOCK_H)  # fmt: skip
         i_tl = t_cap - 1 - i_g // n_grp1  # tile index inside the request
     else:
         # tile-major: heaviest tile first, all KV heads of a tile adjacent
@@ -428,7 +407,7 @@ WS_TILES = {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2}  # 
 
 
 def ws_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: int,
-                   has_xa: bool) -> str | None:  # fmt: skip
+                   has_xa: bool, out: torch.Tensor | None = None) -> str | None:  # fmt: skip
     """Why the warp-specialized kernel (``prefill_ws``) cannot run these arguments, or None if it can:
     16-bit, head_dim a power of two in [16, 256], no XA metadata, key tiles inside one cache block and
     every TMA view 16-byte aligned (q with its heads contiguous: [T, Hq * D] rows)."""
@@ -445,6 +424,8 @@ def ws_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     es = q.element_size()
     if q.stride(1) != d or (q.stride(0) * es) % 16 or q.data_ptr() % 16:
         return f"q: strides {tuple(q.stride())} / address: need heads contiguous and 16-byte aligned rows"
+    if out is not None and (out.stride(1) != d or (out.stride(0) * es) % 16 or out.data_ptr() % 16):
+        return f"out: strides {tuple(out.stride())} / address: need heads contiguous and 16-byte aligned rows"
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         if (c.stride(0) * es) % 16 or (c.stride(1) * es) % 16 or c.data_ptr() % 16:
             return f"{name}: strides {tuple(c.stride())} / address not 16-byte aligned"
@@ -622,7 +603,7 @@ def prefill_attention(
     scale = d**-0.5 if scale is None else scale
     ws_bn = block_n or WS_TILES["block_n"]
     if use_ws:
-        why = ws_unsupported(q, key_cache, value_cache, ws_bn, has_xa)
+        why = ws_unsupported(q, key_cache, value_cache, ws_bn, has_xa, out)
         if why is None and not interpret():
             why = WS_GPU_BLOCKED
         if why:

@@ -36,6 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._attn import long_first_head
+
 
 @triton.jit
 def _prefill_ws_kernel(
@@ -103,26 +105,9 @@ def _prefill_ws_kernel(
     else:
         i_row = i_b.to(tl.int64)
     i_l = i_p - (n_tiles - t_start - t_cap) * hq  # rank of this program among its request's t_cap x Hq
-    if FA_FIRST:
-        # as in _prefill_kernel: the long (FA) heads of every tile first, heaviest tile first, the G query heads
-        # of a KV head adjacent (they read the same K/V tiles at the same time); then the SSA heads. Scalar
-        # loads in a static loop keep the head index uniform.
-        p_md = head_modes + i_row * s_hm0
-        n_long = i_b * 0
-        for h in tl.static_range(BLOCK_H):
-            md = tl.load(p_md + h * s_hm1, mask=h < num_kv_heads, other=1).to(tl.int32)
-            n_long += (md != 1).to(tl.int32)
-        in_long = i_l < n_long * G * t_cap
-        n_grp = tl.maximum(tl.where(in_long, n_long, num_kv_heads - n_long), 1) * G
-        i_g = tl.where(in_long, i_l, i_l - n_long * G * t_cap)
-        rank = (i_g % n_grp) // G
-        i_h = i_b * 0
-        c_grp = i_b * 0
-        for h in tl.static_range(BLOCK_H):
-            md = tl.load(p_md + h * s_hm1, mask=h < num_kv_heads, other=1).to(tl.int32)
-            in_grp = (h < num_kv_heads) & ((md != 1) == in_long)
-            i_h = tl.where(in_grp & (c_grp == rank), h, i_h)
-            c_grp += in_grp.to(tl.int32)
+    if FA_FIRST:  # the G programs (query heads) of a KV head adjacent: they read the same K/V tiles together
+        i_h, i_g, n_grp = long_first_head(head_modes + i_row * s_hm0, s_hm1, num_kv_heads, i_l, t_cap, i_b, G,
+                                          BLOCK_H)  # fmt: skip
         i_hq = i_h * G + i_g % G
         i_tl = t_cap - 1 - i_g // n_grp
     else:
@@ -184,7 +169,9 @@ def _prefill_ws_kernel(
         m_i = m_new
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     b_o = acc / l_i[:, None]
-    o_d = tl.arange(0, HEAD_DIM)
-    o_row = (q_start + i_tl * BLOCK_M + o_m).to(tl.int64)
-    p_o = o + o_row[:, None] * s_ot + (i_hq * s_oh + o_d)[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None])
+    # a TMA store through this request's own [q_len, Hq * D] view clips the rows past q_len. Not a pointer store:
+    # the H200 build offset the second consumer's rows twice when row vectors shared the load coordinate's value
+    # (benchmarks/ws/bisect.py), and a spare program (or an empty request) stores nowhere: its row is past the view
+    o_desc = tl.make_tensor_descriptor(o + q_start.to(tl.int64) * s_ot, shape=[tl.maximum(q_len, 1), hq * HEAD_DIM],
+                                       strides=[s_ot, 1], block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
+    o_desc.store([tl.where(i_tl * BLOCK_M < q_len, i_tl * BLOCK_M, 1 << 30), i_hq * s_oh], b_o.to(o.dtype.element_ty))

@@ -11,7 +11,11 @@ Variants: base (the probe); store_ptr (pointer store epilogue instead of a descr
 guard (``l > 0`` guard); zero_trip (trip count 0 on every other program); odd15 / odd1 (odd trip counts); mask
 (causal ``where`` on the scores, per-program trip count up to the diagonal); mask2d / mask_bias / mask_on_p (the
 same mask from a 2-D arange, as an additive bias, on P); mask_loadpos (row positions loaded from memory);
-mask_even (mask, trip count padded to even); mask_nows (mask without WS, 8 warps: the control).
+mask_even (mask, trip count padded to even); mask_nows (mask without WS, 8 warps: the control); mask_carry (the
+mask from q_pos - k0 carried through the loop as a row vector, like m and l); mask_carry_store_ptr (and the
+pointer store's rows from that carried vector); mask_opaque (q_pos from a base that is a different SSA value than
+the Q descriptor's row coordinate: the offline TTGIR showed the second consumer adding its 64-row offset to that
+shared scalar AND to its arange, i.e. twice); mask_opaque_store_ptr (and the pointer store through those rows).
 """
 
 import json
@@ -24,7 +28,8 @@ VARS = {
     "base": {}, "store_ptr": {"STORE_PTR": 1}, "acc_in_dot": {"ACC_IN_DOT": 1}, "kv3d": {"KV3D": 1},
     "dyn": {"DYN": 1}, "guard": {"GUARD": 1}, "zero_trip": {"ZERO": 1}, "odd15": {"ODD": 1}, "odd1": {"ODD": 2},
     "mask": {"MASK": 1}, "mask2d": {"MASK": 2}, "mask_bias": {"MASK": 4}, "mask_on_p": {"MASK": 5},
-    "mask_loadpos": {"MASK": 3}, "mask_even": {"MASK": 1, "EVEN": 1}, "mask_nows": {"MASK": 1, "NOWS": 1},
+    "mask_loadpos": {"MASK": 3}, "mask_carry": {"MASK": 6}, "mask_opaque": {"MASK": 7},
+    "mask_opaque_store_ptr": {"MASK": 7, "STORE_PTR": 1}, "mask_carry_store_ptr": {"MASK": 6, "STORE_PTR": 2}, "mask_even": {"MASK": 1, "EVEN": 1}, "mask_nows": {"MASK": 1, "NOWS": 1},
 }  # fmt: skip
 if __name__ == "__main__" and (len(sys.argv) == 1 or sys.argv[1] == "--out"):
     from _gpu_common import env_info, write_json
@@ -96,6 +101,8 @@ def kern(
     q_pos = i_m * BM + tl.arange(0, BM)
     if MASK == 3:
         q_pos = tl.load(pos_ptr + i_m * BM + tl.arange(0, BM))
+    if MASK == 7:  # the same positions from a base that is not the Q coordinate's SSA value (pos_ptr[0] = 0)
+        q_pos = (i_m * BM + tl.load(pos_ptr)) + tl.arange(0, BM)
     if DYN:
         n_vis = tl.cdiv(i_m * BM + BM, BN) if MASK else tl.load(block_table + 0) * 0 + S // BN
     else:
@@ -111,6 +118,10 @@ def kern(
     n_real = n_vis
     if EVEN:
         n_vis = n_vis + n_vis % 2
+    if MASK == 6 or MASK == 7:
+        n_vis = tl.cdiv(i_m * BM + BM, BN)
+    rel = q_pos  # MASK 6: q_pos - k0 of the current tile, carried through the loop
+    k_prev = i_m * 0
     for i_v in tl.range(0, n_vis, warp_specialize=not NOWS):
         if DYN:
             i_n = tl.where(i_v < 1, i_v, i_v)
@@ -124,10 +135,14 @@ def kern(
             b_k = k_desc.load([blk * BS + k0 % BS, i_h * D])
         b_s = tl.dot(b_q, b_k.T)
         j = k0 + tl.arange(0, BN)
-        if MASK == 1 or MASK == 3:
+        if MASK == 1 or MASK == 3 or MASK == 7:
             b_s = tl.where((q_pos[:, None] - j[None, :] >= 0) & (i_v < n_real), b_s, float("-inf"))
         if MASK == 2:
             b_s = tl.where(i_m * BM + tl.arange(0, BM)[:, None] >= k0 + tl.arange(0, BN)[None, :], b_s, float("-inf"))
+        if MASK == 6:
+            rel = rel - (k0 - k_prev)
+            k_prev = k0
+            b_s = tl.where(rel[:, None] - tl.arange(0, BN)[None, :] >= 0, b_s, float("-inf"))
         if MASK == 4:
             b_s = b_s + tl.where(q_pos[:, None] - j[None, :] >= 0, 0.0, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
@@ -149,7 +164,12 @@ def kern(
     if GUARD:
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
     b_o = acc / l_i[:, None]
-    if STORE_PTR:
+    if STORE_PTR == 2:
+        o_d = tl.arange(0, D)
+        rows = rel + k_prev
+        p_o = o + (rows.to(tl.int64) * (HQ * D))[:, None] + (i_hq * D + o_d)[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(rows < S)[:, None])
+    elif STORE_PTR:
         o_d = tl.arange(0, D)
         p_o = o + (q_pos.to(tl.int64) * (HQ * D))[:, None] + (i_hq * D + o_d)[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(q_pos < S)[:, None])
@@ -205,7 +225,7 @@ s = q.float().transpose(0, 1) @ kr.transpose(1, 2) * D**-0.5
 if flags["ODD"]:
     nk = (S // 128 - 1) * 128 if flags["ODD"] == 1 else 128
     s[..., nk:] = float("-inf")
-if flags["MASK"]:
+if flags["MASK"]:  # every MASK variant is the causal mask
     s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=dev).tril(), float("-inf"))
 ref = (torch.softmax(s, -1) @ vr).transpose(0, 1)
 if flags["ZERO"]:
