@@ -398,11 +398,6 @@ def _tma_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-WS_GPU_BLOCKED = (
-    "Triton 3.6's Hopper warp specialization miscompiles this kernel on the GPU (the masked loop gives wrong rows, "
-    "the pointer-store epilogue writes half of them: benchmarks/results/dev/ws-bisect-h200.json and "
-    "ws-prefill-h200.json); until a Triton that builds it correctly, it runs only under TRITON_INTERPRET=1"
-)
 WS_TILES = {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2}  # per consumer warp group
 
 
@@ -541,8 +536,9 @@ def prefill_attention(
             False: never.
         use_ws: the warp-specialized kernel (``prefill_ws``: one query head per program, TMA loads, a
             producer and two consumer warp groups on sm_90; FA/SSA heads only, see ``ws_unsupported``).
-            EXPERIMENTAL: True runs it under the interpreter only and is a ValueError on a GPU
-            (``WS_GPU_BLOCKED``: Triton 3.6 miscompiles it); None / False: the pointer kernel.
+            EXPERIMENTAL, opt-in only: True runs it (sm_90, or the interpreter; ValueError naming the
+            reason otherwise); None / False: the pointer kernel. Correct on the H200 but 0.64-0.72x the
+            pointer kernel's speed (benchmarks/results/dev/ws-prefill-bench-h200.json), so never chosen.
             block_m / block_n / num_warps / num_stages override its tiles (default ``WS_TILES``).
         program_order: "long_first" (default): inside each request the FA/XA programs of every
             query tile run before the SSA programs (heaviest tile first in both groups), so the
@@ -604,8 +600,8 @@ def prefill_attention(
     ws_bn = block_n or WS_TILES["block_n"]
     if use_ws:
         why = ws_unsupported(q, key_cache, value_cache, ws_bn, has_xa, out)
-        if why is None and not interpret():
-            why = WS_GPU_BLOCKED
+        if why is None and not interpret() and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9):
+            why = "the warp-specialized kernel is built for sm_90 (Hopper) GPUs"
         if why:
             raise ValueError(f"use_ws: {why}")
         # the interpreter runs the kernel's program logic (without the specialization)

@@ -1,27 +1,29 @@
-"""The FA/SSA prefill kernel in the shape Triton's Hopper warp specialization accepts (``use_ws``). EXPERIMENTAL:
-Triton 3.6 builds it for sm_90 (offline and on the H200) but the build is wrong: with warp specialization on,
-the masked loop gives wrong rows and a pointer-store epilogue writes only half of them (bisected on the probe
-kernel, benchmarks/ws/bisect.py -> benchmarks/results/dev/ws-bisect-h200.json: every causal-mask formulation
-gives the same 0.74 max error, the same kernel without specialization is exact; this kernel:
-dev/ws-prefill-h200.json, NaN with WS, exact without). The launcher therefore refuses ``use_ws`` on a GPU; the
-interpreter tests keep the program logic (tile ranges, shifted tail tile, program order) correct for when a
-Triton builds it right.
+"""The FA/SSA prefill kernel in the shape Triton's Hopper warp specialization accepts (``use_ws``, EXPERIMENTAL).
+
+Status (H200, 2026-12-01): correct (benchmarks/ws/prefill_cases.py -> benchmarks/results/dev/ws-prefill-2-h200.json,
+benchmarks/ws/prefill_bench.py -> dev/ws-prefill-bench-h200.json: within the float32 bound at 8K, <= 0.004 of the
+pointer kernel everywhere) but SLOWER than the pointer kernel: 335-349 TFLOP/s vs 465-528 (0.64-0.72x) at 8K-128K,
+dense and SA 0.75. The probe it was built from (benchmarks/ws/probe.py, non-causal, no mask) ran at 570 TFLOP/s:
+the cost is the token mask, applied here to every tile because the pass accepts one key loop only (two
+specialized loops in a row fail the pass too). Never chosen automatically; csrc/NOTES.md v5 has the whole story.
 
 Triton 3.6 splits a ``tl.range(..., warp_specialize=True)`` loop on sm_90 into a TMA producer warp group and two
 64-row consumer warp groups (Meta's autoWS, ``add_hopper_warpspec``): the softmax of one consumer overlaps the
-other's GEMMs, the overlap FA3 gets by hand and the plain kernel (``prefill._prefill_kernel``) cannot have. On a
-plain paged FA loop it took the H200 from 461 to 570 TFLOP/s (benchmarks/ws_probe.py,
-benchmarks/results/dev/ws-probe-h200.json). The pass is narrow; offline sm_90 builds showed what it needs, and
-this kernel is written to it:
+other's GEMMs, the overlap FA3 gets by hand and the plain kernel (``prefill._prefill_kernel``) cannot have.
+What the pass needs, found with offline sm_90 builds, and this kernel is written to:
 
 - ONE key loop, the last loop of the program: every visible tile (sink tiles, then window tiles, the diagonal
   included) goes through it with the token-exact mask applied. A second loop after it, or a tile processed
   before it, broke the pass (``operation destroyed but still has uses`` / a failed pass).
 - No ``scf.while`` anywhere (the request lookup is a fixed number of binary-search steps) and no early return.
-- Every K/V/Q tile a TMA load of a host tensor descriptor: K/V as 3-D [blocks, block_size, cols] views
-  (column = head * head stride + d), so a key tile must lie inside one cache block (block_size % BLOCK_N == 0).
+- K/V tiles TMA loads of host tensor descriptors over 3-D [blocks, block_size, cols] views of the cache (column =
+  head * head stride + d), so a key tile must lie inside one cache block (block_size % BLOCK_N == 0); Q through a
+  device-side descriptor (with a host one the H200 build hung), the output through a per-request device-side one.
 - One query head per program (BLOCK_M query tokens): the G heads of a KV head read the same K/V tiles through
   L2 instead of being packed into the rows (the packed Q tile, a reshape, broke the pass's data partitioning).
+- No row vector computed from the Q descriptor's row coordinate: the pass adds the second consumer's 64-row
+  offset to that scalar AND to the arange, i.e. twice (the offline TTGIR; wrong masks and a half-written output on
+  the H200). Query positions come from ctx + tile offset, and the store is a TMA store (clipped at q_len).
 
 Keys past seq_len: the tile that crosses seq_len is loaded shifted back so that it ENDS at seq_len; its first
 rows are then earlier keys of the same block (masked as j < k0) or, before the block's start, rows the TMA unit

@@ -83,7 +83,21 @@ def modes_for(B, hkv, sa_share, sa_mode=1, seed=0):
     return m.to(DEV)
 
 
-def prefill_case(seqs, qls, hq, hkv, d, bs, dtype, sink, window, sa_share, xa=None, **kw):
+def poison_past_seq_len(kc, vc, bt, seqs):
+    """NaN in every cache slot no request holds (past each seq_len, and unused blocks): a kernel that reads a
+    key or value there, even multiplied by zero, returns NaN."""
+    import torch
+
+    bs = kc.shape[1]
+    held = torch.zeros(kc.shape[0], bs, dtype=torch.bool, device=kc.device)
+    for b, s in enumerate(seqs):
+        pos = torch.arange(s, device=kc.device)
+        held[bt[b, pos // bs].long(), pos % bs] = True
+    kc[~held] = float("nan")
+    vc[~held] = float("nan")
+
+
+def prefill_case(seqs, qls, hq, hkv, d, bs, dtype, sink, window, sa_share, xa=None, poison=False, **kw):
     from elastic_vllm.csrc.prefill import prefill_attention
 
     def fn(name):
@@ -91,6 +105,8 @@ def prefill_case(seqs, qls, hq, hkv, d, bs, dtype, sink, window, sa_share, xa=No
 
         t = time.perf_counter()
         q, kc, vc, bt, qsl, sl = build_batch(seqs, qls, hq, hkv, d, bs, dtype)
+        if poison:
+            poison_past_seq_len(kc, vc, bt, seqs)
         hm = modes_for(len(seqs), hkv, sa_share)
         out = torch.full_like(q, float("nan"))
         prefill_attention(q, kc, vc, bt, qsl, sl, hm, sink=sink, window=window, out=out, **kw)
@@ -323,6 +339,75 @@ def main() -> int:
         (
             "prefill varlen bf16 d128 bs128 (tile in block)",
             prefill_case([sz(4096), sz(2500)], [sz(4096), sz(700)], 32, 8, 128, 128, bf, 128, sz(1024), 0.5),
+        ),
+        (
+            "prefill WS varlen+chunked bf16 d128 mixed bs128, NaN past seq_len",
+            prefill_case(
+                [3000, 1023, 5000, 17, 1],
+                [3000, 1023, 1200, 1, 1],
+                32,
+                8,
+                128,
+                128,
+                bf,
+                128,
+                512,
+                0.5,
+                use_ws=True,
+                poison=True,
+            )
+            if not ARGS.cpu_dry
+            else prefill_case(
+                [30, 63, 50, 17, 1],
+                [30, 63, 12, 1, 1],
+                8,
+                2,
+                32,
+                32,
+                bf,
+                4,
+                9,
+                0.5,
+                use_ws=True,
+                poison=True,
+                block_m=16,
+                block_n=16,
+            ),
+        ),
+        (
+            "prefill WS 32K bf16 d128 75% SSA bs128",
+            prefill_case(
+                [S32],
+                [S32],
+                32,
+                8,
+                128,
+                128,
+                bf,
+                128,
+                W,
+                0.75,
+                use_ws=True,
+                **({"block_m": 16, "block_n": 16} if ARGS.cpu_dry else {}),
+            ),
+        ),
+        (
+            "prefill WS 4K bf16 d64 GQA8 bs128 tile-major",
+            prefill_case(
+                [sz(4096)],
+                [sz(4096)],
+                16,
+                2,
+                64,
+                128,
+                bf,
+                64,
+                sz(1024),
+                0.75,
+                use_ws=True,
+                program_order="tile_major",
+                **({"block_m": 16, "block_n": 16} if ARGS.cpu_dry else {}),
+            ),
         ),
         (
             "prefill 32K bf16 d128 75% SSA (sink128 w2048) bs16",

@@ -336,11 +336,12 @@ def test_prefill_ws_unsupported_arguments_are_errors():
                           batch.seq_lens, hm, sink=2, window=5, use_ws=True, block_m=16, block_n=16)  # fmt: skip
 
 
-def test_prefill_ws_is_refused_outside_the_interpreter(monkeypatch):
-    """On a GPU the WS build is known wrong (WS_GPU_BLOCKED): use_ws must be an error there, never a silent run."""
+def test_prefill_ws_is_refused_off_hopper(monkeypatch):
+    """Outside the interpreter the WS kernel needs an sm_90 GPU: anything else is an error naming that, never a
+    silent run of another kernel."""
     from elastic_vllm.csrc import prefill as P
 
     monkeypatch.setattr(P, "interpret", lambda: False)
     batch = make_paged_batch([40], [40], 4, 2, 16, block_size=16, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"use_ws: Triton 3\.6's Hopper warp specialization miscompiles"):
+    with pytest.raises(ValueError, match=r"use_ws: the warp-specialized kernel is built for sm_90 \(Hopper\) GPUs"):
         run(batch, torch.zeros(1, 2, dtype=torch.int8), 2, 5, use_ws=True, block_m=16, block_n=16)
