@@ -159,9 +159,12 @@ def _prefill_ws_kernel(
         b_k = k_desc.load([blk, t0, i_h * s_kh]).reshape(BLOCK_N, HEAD_DIM)
         b_s = tl.dot(b_q, b_k.T)  # [BM, BN] raw scores
         j = k0 - shift + tl.arange(0, BLOCK_N)  # key position of each loaded row
-        diff = q_pos[:, None] - j[None, :]
-        vis = (diff >= 0) & ((diff < eff_window) | (j < eff_sink)[None, :]) & (j >= k0)[None, :]
-        b_s = tl.where(vis, b_s, float("-inf"))
+        # visible iff 0 <= q - j < limit_j, limit_j = window (2^31 - 1 for sink keys): one unsigned compare per
+        # score. Rows loaded before k0 (the shifted tile) get j = 2^30 (q - j < 0); padding rows have q = -1
+        j_c = tl.where(j >= k0, j, 1 << 30)
+        lim = tl.where(j_c < eff_sink, 0x7FFFFFFF, eff_window).to(tl.uint32)
+        diff = (q_pos[:, None] - j_c[None, :]).to(tl.uint32, bitcast=True)
+        b_s = tl.where(diff < lim[None, :], b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)  # m_i starts finite: never -inf
         alpha = tl.exp2(m_i - m_new)
         b_p = tl.exp2(b_s * qk_scale - m_new[:, None])
