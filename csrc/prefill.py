@@ -537,8 +537,8 @@ def prefill_attention(
         use_ws: the warp-specialized kernel (``prefill_ws``: one query head per program, TMA loads, a
             producer and two consumer warp groups on sm_90; FA/SSA heads only, see ``ws_unsupported``).
             EXPERIMENTAL, opt-in only: True runs it (sm_90, or the interpreter; ValueError naming the
-            reason otherwise); None / False: the pointer kernel. Correct on the H200 but 0.64-0.72x the
-            pointer kernel's speed (benchmarks/results/dev/ws-prefill-bench-h200.json), so never chosen.
+            reason otherwise); None / False: the pointer kernel. Correct on the H200 but 0.80-0.88x the
+            pointer kernel's speed (benchmarks/results/dev/ws-prefill-bench-2-h200.json), so never chosen.
             block_m / block_n / num_warps / num_stages override its tiles (default ``WS_TILES``).
         program_order: "long_first" (default): inside each request the FA/XA programs of every
             query tile run before the SSA programs (heaviest tile first in both groups), so the

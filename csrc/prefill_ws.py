@@ -2,8 +2,9 @@
 
 Status (H200, 2026-12-01): correct (benchmarks/ws/prefill_cases.py -> benchmarks/results/dev/ws-prefill-2-h200.json,
 benchmarks/ws/prefill_bench.py -> dev/ws-prefill-bench-h200.json: within the float32 bound at 8K, <= 0.004 of the
-pointer kernel everywhere) but SLOWER than the pointer kernel: 304-349 TFLOP/s vs 437-528 (0.64-0.72x) at 8K-128K,
-dense and SA 0.75. The probe it was built from (benchmarks/ws/probe.py, non-causal, no mask) ran at 570 TFLOP/s:
+pointer kernel everywhere) but SLOWER than the pointer kernel: 422-447 TFLOP/s vs 484-528 (0.80-0.88x) at 32K and
+128K, dense and SA 0.75, with the one-compare mask (dev/ws-prefill-bench-2-h200.json; 0.64-0.72x with the first,
+five-operation mask). The probe it was built from (benchmarks/ws/probe.py, non-causal, no mask) ran at 570 TFLOP/s:
 the cost is the token mask, applied here to every tile because the pass accepts one key loop only (two
 specialized loops in a row fail the pass too). Never chosen automatically; csrc/NOTES.md v5 has the whole story.
 
