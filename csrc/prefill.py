@@ -439,19 +439,21 @@ def _ws_descriptor(cache: torch.Tensor, block_n: int):
 _SCRATCH: dict = {}
 
 
-def _ensure_allocator(device: torch.device) -> None:
+def _ensure_allocator() -> None:
     """Device-side tensor descriptors need global scratch memory (128 bytes per descriptor per program), which
-    Triton asks its allocator for at launch. Unless the caller set one, a per-device buffer that grows as needed
-    and is reused (launches on one stream run in order, so reuse is safe there)."""
+    Triton asks its allocator for at launch. Unless the caller set one: a buffer per CUDA device (the current
+    one at launch, where Triton launches) that grows as needed and is reused (launches on one stream run in
+    order, so reuse is safe there)."""
     from triton.runtime import _allocation
 
     if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         return
 
     def alloc(size: int, alignment: int, stream):
-        buf = _SCRATCH.get(device)
+        dev = torch.cuda.current_device()
+        buf = _SCRATCH.get(dev)
         if buf is None or buf.numel() < size:
-            buf = _SCRATCH[device] = torch.empty(max(size, 1 << 20), dtype=torch.int8, device=device)
+            buf = _SCRATCH[dev] = torch.empty(max(size, 1 << 20), dtype=torch.int8, device=torch.device("cuda", dev))
         return buf
 
     triton.set_allocator(alloc)
@@ -464,25 +466,25 @@ def _search_steps(num_reqs: int) -> int:
 
 
 def _launch_ws(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, head_modes, head_mode_slots,
-               sink, window, scale, block_m, block_n, num_warps, num_stages, program_order):  # fmt: skip
+               sink, window, scale, block_m, block_n, num_warps, num_stages, program_order, ws=True):  # fmt: skip
+    """prefill_ws's launch, arguments checked by the caller. ws=False builds the same program without the
+    specialization (benchmarks/ws/prefill_cases.py compares the two)."""
     T, hq, d = q.shape
     hkv = key_cache.shape[2]
     B = seq_lens.shape[0]
     n_tiles = triton.cdiv(T, block_m) + B
-    # Q through a device-side descriptor (with a host one the H200 build hung), K/V through host descriptors
     if not interpret():
-        _ensure_allocator(q.device)
-    ks, vs = key_cache.stride(), value_cache.stride()
+        _ensure_allocator()  # the device-side Q and output descriptors
     hm_slots = head_mode_slots if head_mode_slots is not None else seq_lens
     _prefill_ws_kernel[(n_tiles * hq,)](
-        q, _ws_descriptor(key_cache, block_n), _ws_descriptor(value_cache, block_n), T, q.stride(0), key_cache.shape[0], ks[0], ks[1], vs[0], vs[1], out, block_table,
+        q, _ws_descriptor(key_cache, block_n), _ws_descriptor(value_cache, block_n), T, q.stride(0), out, block_table,
         query_start_loc, seq_lens, head_modes, hm_slots, *out.stride()[:2], key_cache.stride(2),
         value_cache.stride(2), block_table.stride(0), *head_modes.stride(), B, hkv, n_tiles, sink, window,
         scale * 1.4426950408889634,
         G=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BS=key_cache.shape[1], HEAD_DIM=d,
         HAS_SLOTS=head_mode_slots is not None, FA_FIRST=program_order == "long_first",
-        BLOCK_H=max(next_pow2(hkv), 2), SEARCH_STEPS=_search_steps(B), WS=not interpret(),
-        Q_ON_DEVICE=True, KV_ON_DEVICE=False, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_H=max(next_pow2(hkv), 2), SEARCH_STEPS=_search_steps(B), WS=ws and not interpret(),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

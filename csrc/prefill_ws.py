@@ -44,16 +44,11 @@ from ._attn import long_first_head
 
 @triton.jit
 def _prefill_ws_kernel(
-    q_desc,  # [T, Hq * D] view of q, box [BLOCK_M, D] (host descriptor), or q itself with Q_ON_DEVICE
-    k_desc,  # [num_blocks, block_size, cols] view of the key cache, box [1, BLOCK_N, D], or the cache (KV_ON_DEVICE)
+    q,  # [T, Hq, D], heads contiguous: read through a device-side [T, Hq * D] descriptor (a host one hung)
+    k_desc,  # host descriptor: [num_blocks, block_size, cols] view of the key cache, box [1, BLOCK_N, D]
     v_desc,
     T,
     s_qt,
-    n_blocks,
-    s_kb,
-    s_kt,
-    s_vb,
-    s_vt,
     o,
     block_table,
     query_start_loc,
@@ -83,8 +78,6 @@ def _prefill_ws_kernel(
     BLOCK_H: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     WS: tl.constexpr,
-    Q_ON_DEVICE: tl.constexpr,
-    KV_ON_DEVICE: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     hq = num_kv_heads * G
@@ -135,16 +128,8 @@ def _prefill_ws_kernel(
     w_hi = tl.cdiv(q_hi + 1, BLOCK_N)
     n_vis = tl.maximum(s_hi + w_hi - w_lo, 0)
 
-    if Q_ON_DEVICE:
-        q_desc = tl.make_tensor_descriptor(q_desc, shape=[T, num_kv_heads * G * HEAD_DIM], strides=[s_qt, 1],
-                                           block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
-    if KV_ON_DEVICE:
-        cols_k = (num_kv_heads - 1) * s_kh + HEAD_DIM
-        cols_v = (num_kv_heads - 1) * s_vh + HEAD_DIM
-        k_desc = tl.make_tensor_descriptor(k_desc, shape=[n_blocks, BS, cols_k], strides=[s_kb, s_kt, 1],
-                                           block_shape=[1, BLOCK_N, HEAD_DIM])  # fmt: skip
-        v_desc = tl.make_tensor_descriptor(v_desc, shape=[n_blocks, BS, cols_v], strides=[s_vb, s_vt, 1],
-                                           block_shape=[1, BLOCK_N, HEAD_DIM])  # fmt: skip
+    q_desc = tl.make_tensor_descriptor(q, shape=[T, hq * HEAD_DIM], strides=[s_qt, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])  # fmt: skip
     # rows of other requests or past T are finite (their queries) or zero (TMA bounds): masked at the store
     b_q = q_desc.load([q_start + i_tl * BLOCK_M, i_hq * HEAD_DIM])  # [BM, D]
     p_bt = block_table + i_b.to(tl.int64) * s_bt

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# ruff: noqa: E402  (the runner part imports nothing heavy; the case part imports torch after it)
+# ruff: noqa: E402  (the parent part imports nothing heavy; the case part imports torch after it)
 """Bisect of Triton 3.6's Hopper warp specialization on the probe kernel (benchmarks/ws/probe.py, correct with WS):
 one feature of csrc/prefill_ws.py added at a time, each variant in its own process (a bad build can hang or
 corrupt the CUDA context), 2K tokens, 32 q / 8 KV heads, d 128, bf16, against a float32 reference.
@@ -20,10 +20,11 @@ shared scalar AND to its arange, i.e. twice); mask_opaque_store_ptr (and the poi
 
 import json
 import os
-import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "gpu"))
+sys.path.insert(0, os.path.dirname(__file__))
+from _isolated import is_parent, run_cases
+
 VARS = {
     "base": {}, "store_ptr": {"STORE_PTR": 1}, "acc_in_dot": {"ACC_IN_DOT": 1}, "kv3d": {"KV3D": 1},
     "dyn": {"DYN": 1}, "guard": {"GUARD": 1}, "zero_trip": {"ZERO": 1}, "odd15": {"ODD": 1}, "odd1": {"ODD": 2},
@@ -31,21 +32,8 @@ VARS = {
     "mask_loadpos": {"MASK": 3}, "mask_carry": {"MASK": 6}, "mask_opaque": {"MASK": 7},
     "mask_opaque_store_ptr": {"MASK": 7, "STORE_PTR": 1}, "mask_carry_store_ptr": {"MASK": 6, "STORE_PTR": 2}, "mask_even": {"MASK": 1, "EVEN": 1}, "mask_nows": {"MASK": 1, "NOWS": 1},
 }  # fmt: skip
-if __name__ == "__main__" and (len(sys.argv) == 1 or sys.argv[1] == "--out"):
-    from _gpu_common import env_info, write_json
-
-    out = sys.argv[2] if len(sys.argv) > 2 else None
-    report = {"what": "Hopper autoWS bisect (benchmarks/ws/bisect.py)", "env": env_info(), "rows": []}
-    for v in sys.argv[3:] or VARS:
-        try:
-            p = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True, text=True, timeout=60)
-            last = (p.stdout.strip().splitlines() or ["{}"])[-1]
-            row = json.loads(last) if p.returncode == 0 else {"error": (p.stderr.strip().splitlines() or [""])[-1]}
-        except subprocess.TimeoutExpired:
-            row = {"error": "timeout (hang)"}
-        report["rows"].append({"variant": v, **row})
-        print(report["rows"][-1], flush=True)
-        write_json(out, report)
+if __name__ == "__main__" and is_parent():
+    run_cases(__file__, "Hopper autoWS bisect (benchmarks/ws/bisect.py)", "variant", VARS, 60)
     sys.exit(0)
 import torch
 import triton
