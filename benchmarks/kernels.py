@@ -655,6 +655,53 @@ def decode_splits_section() -> None:
         save()
 
 
+def graph_time(fn, calls: int = 10) -> dict:
+    """ms per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (what vLLM's decode step
+    runs: no launch overhead), next to ``timeit`` (eager, one call per L2 flush)."""
+    if DEV.type != "cuda":
+        return timeit(fn)
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    r = timeit(g.replay)
+    return {k: v / calls for k, v in r.items()}
+
+
+def decode_order_section() -> None:
+    """Launch order of the decode grid (``heavy_first``): the FA heads' programs first, the short SSA
+    programs after them, against the plain order (the last requests' FA programs start last), at the
+    e2e decode shapes and 128K x 16, timed eagerly and replayed from a CUDA graph; x2 splits too."""
+    from elastic_vllm.csrc.decode import decode_attention, decode_num_splits
+
+    rows = REPORT.setdefault("decode_order", [])
+    d = 128
+    shapes = ((32768, 16), (131072, 4), (131072, 16)) if DEV.type == "cuda" else ((512, 2),)
+    for ctx, B in shapes:
+        kv, bt, q, sl, out = decode_inputs(ctx, B, d)
+        base = decode_num_splits(B, HKV, ctx, 64, DEV)
+        for mode, share in (("dense", 0.0), ("sparse", 0.75)):
+            hm = head_modes(share).expand(B, HKV).contiguous()
+            first = None
+            for hf, mult in ((False, 1), (True, 1), (True, 2)):
+                ns = max(1, base * mult)
+                fn = functools.partial(
+                    decode_attention, q, kv[:, 0], kv[:, 1], bt, sl, hm, sink=SINK, window=WINDOW, max_seq_len=ctx,
+                    out=out, num_splits=ns, heavy_first=hf,
+                )  # fmt: skip
+                o = fn().float()
+                first = o.clone() if first is None else first
+                rel = float((o - first).norm() / first.norm())
+                row = {"ctx": ctx, "B": B, "mode": mode, "heavy_first": hf, "num_splits": ns, "eager": timeit(fn),
+                       "graph": graph_time(fn), "rel_diff_vs_first": rel}  # fmt: skip
+                rows.append(row)
+                log(row)
+        del kv
+        save()
+
+
 def route_all_layers(router, kc, bts, rows, plen, slots, stages=("task", "router")) -> None:
     for layer, bt in enumerate(bts):
         router(kc, bt, rows, plen, slots, layer, stages=stages)
@@ -732,6 +779,10 @@ def summary() -> None:
               f" {r.get('x_vs_dense', '')}")  # fmt: skip
     for r in REPORT.get("decode_splits", []):
         print(f"  decode splits ctx={r['ctx']} B={r['B']} {r['mode']:<6} ns={r['num_splits']:<4} {r['ms']:.3f} ms")
+    for r in REPORT.get("decode_order", []):
+        print(f"  decode order ctx={r['ctx']} B={r['B']} {r['mode']:<6} heavy_first={r['heavy_first']!s:<5}"
+              f" ns={r['num_splits']:<4} eager {r['eager']['ms']:.3f} graph {r['graph']['ms']:.4f} ms"
+              f" rel {r['rel_diff_vs_first']:.1e}")  # fmt: skip
     for r in REPORT.get("router", []):
         g = r.get("graph", {}).get("ms")
         print(f"  router prompt={r['prompt']} R={r['requests']} eager {r['eager']['ms']:.3f} ms graph {g} ms"
@@ -786,6 +837,7 @@ def main() -> int:
         section("decode splits", decode_splits_section, 10)
     else:
         section("decode 512", lambda: decode_section(512, (2,)), 1)
+    section("decode order", decode_order_section, 15)
     section("router", router_section, 8)
     if not ARGS.quick and not dry:
         section("prefill S=8192 d=128", lambda: prefill_section(8192, 128, shares), 12)
