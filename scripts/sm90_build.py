@@ -9,7 +9,8 @@ no launch). From each cubin, with the cuobjdump that Triton ships: registers, st
 and the global loads by width (LDG.E = 4 bytes, LDG.E.128 = 16 bytes). Rows: the prefill kernel in both
 program orders at block size 16 and 128 (Llama-3.1-8B attention shape); the two router kernels with
 packed weight rows padded (``pack_router_weights``) and unpadded (``router_param_count`` floats), with the
-order of their loads and barriers (``schedule``); the decode split and merge kernels.
+order of their loads and barriers (``schedule``), and the one-launch router kernel; the decode split and merge
+kernels.
 """
 
 from __future__ import annotations
@@ -145,11 +146,16 @@ def router_rows() -> list[dict]:
         router(kc, torch.zeros(1, S // bs, dtype=torch.int32), one, torch.full((1,), S, dtype=torch.int32), one, 1)
         for k in ("_route_task_kernel", "_route_router_kernel"):
             rows.append({"kernel": k, "weight_rows": name, "row_floats": w.shape[1], **_resources(got[k])})
+        # the one-launch kernel (a cooperative launch on the GPU): built from the launch the Router prepared
+        grid, args, kw = router.last_fused_launch
+        fk = R._route_fused_kernel.warmup(*args, grid=grid, **dict(kw, PHASE=0, launch_cooperative_grid=True))
+        rows.append({"kernel": "_route_fused_kernel", "weight_rows": name, "row_floats": w.shape[1], **_resources(fk)})
     return rows
 
 
 def decode_rows() -> list[dict]:
-    """The split-KV decode kernel and its merge kernel (a programmatic dependent launch on sm_90) at 32K x 16."""
+    """The split-KV decode kernel at 32K x 16, merging by its last split program (the default) and with the merge
+    kernel (a programmatic dependent launch on sm_90)."""
     from elastic_vllm.csrc import _common
     from elastic_vllm.csrc import decode as D
 
@@ -158,12 +164,16 @@ def decode_rows() -> list[dict]:
     D.num_sms = lambda device: 132  # the H200's SM count: the split count the GPU would use
     B, hq, hkv, d, bs, ctx = 16, 32, 8, 128, 16, 32768
     kv = torch.empty(B * ctx // bs + 1, 2, bs, hkv, d, dtype=torch.bfloat16)
-    D.decode_attention(
-        torch.empty(B, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(B, ctx // bs, dtype=torch.int32),
-        torch.full((B,), ctx, dtype=torch.int32), torch.zeros(B, hkv, dtype=torch.int8), sink=128, window=2048,
-        max_seq_len=ctx,
-    )  # fmt: skip
-    return [{"kernel": k, "block_size": bs, **_resources(got[k])} for k in ("_decode_kernel", "_decode_merge_kernel")]
+    rows = []
+    for last in (True, False):
+        D.decode_attention(
+            torch.empty(B, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1],
+            torch.zeros(B, ctx // bs, dtype=torch.int32), torch.full((B,), ctx, dtype=torch.int32),
+            torch.zeros(B, hkv, dtype=torch.int8), sink=128, window=2048, max_seq_len=ctx, last_merges=last,
+        )  # fmt: skip
+        for k in ("_decode_kernel",) + (() if last else ("_decode_merge_kernel",)):
+            rows.append({"kernel": k, "block_size": bs, "last_merges": last, **_resources(got[k])})
+    return rows
 
 
 def main() -> int:
