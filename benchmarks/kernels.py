@@ -671,10 +671,9 @@ def graph_time(fn, calls: int = 10) -> dict:
 
 
 def decode_order_section() -> None:
-    """Decode variants at the e2e decode shapes and 128K x 16, timed eagerly and replayed from a CUDA
-    graph: the merge by the last split program (``last_merges``, default) against the merge kernel;
-    the heavy-first launch order (the FA heads' programs first, the short SSA programs after them)
-    against the plain one (the last requests' FA programs start last); x2 splits."""
+    """Launch order of the decode grid (``heavy_first``): the FA heads' programs first, the short SSA
+    programs after them, against the plain order (the last requests' FA programs start last), at the
+    e2e decode shapes and 128K x 16, timed eagerly and replayed from a CUDA graph; x2 splits too."""
     from elastic_vllm.csrc.decode import decode_attention, decode_num_splits
 
     rows = REPORT.setdefault("decode_order", [])
@@ -686,17 +685,17 @@ def decode_order_section() -> None:
         for mode, share in (("dense", 0.0), ("sparse", 0.75)):
             hm = head_modes(share).expand(B, HKV).contiguous()
             first = None
-            for lm, hf, mult in ((False, False, 1), (True, False, 1), (True, True, 1), (True, False, 2)):
+            for hf, mult in ((False, 1), (True, 1), (True, 2)):
                 ns = max(1, base * mult)
                 fn = functools.partial(
                     decode_attention, q, kv[:, 0], kv[:, 1], bt, sl, hm, sink=SINK, window=WINDOW, max_seq_len=ctx,
-                    out=out, num_splits=ns, heavy_first=hf, last_merges=lm,
+                    out=out, num_splits=ns, heavy_first=hf,
                 )  # fmt: skip
                 o = fn().float()
                 first = o.clone() if first is None else first
                 rel = float((o - first).norm() / first.norm())
-                row = {"ctx": ctx, "B": B, "mode": mode, "last_merges": lm, "heavy_first": hf, "num_splits": ns,
-                       "eager": timeit(fn), "graph": graph_time(fn), "rel_diff_vs_first": rel}  # fmt: skip
+                row = {"ctx": ctx, "B": B, "mode": mode, "heavy_first": hf, "num_splits": ns, "eager": timeit(fn),
+                       "graph": graph_time(fn), "rel_diff_vs_first": rel}  # fmt: skip
                 rows.append(row)
                 log(row)
         del kv
@@ -794,8 +793,7 @@ def summary() -> None:
     for r in REPORT.get("decode_splits", []):
         print(f"  decode splits ctx={r['ctx']} B={r['B']} {r['mode']:<6} ns={r['num_splits']:<4} {r['ms']:.3f} ms")
     for r in REPORT.get("decode_order", []):
-        print(f"  decode order ctx={r['ctx']} B={r['B']} {r['mode']:<6} last_merges={r['last_merges']!s:<5}"
-              f" heavy_first={r['heavy_first']!s:<5}"
+        print(f"  decode order ctx={r['ctx']} B={r['B']} {r['mode']:<6} heavy_first={r['heavy_first']!s:<5}"
               f" ns={r['num_splits']:<4} eager {r['eager']['ms']:.3f} graph {r['graph']['ms']:.4f} ms"
               f" rel {r['rel_diff_vs_first']:.1e}")  # fmt: skip
     for r in REPORT.get("router", []):

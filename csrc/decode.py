@@ -83,53 +83,6 @@ def _heavy_first_program(seq_lens, head_modes, head_mode_slots, s_hm0, s_hm1, nu
 
 
 @triton.jit
-def _arrive_and_merge(o, o_part, lse_part, counters, i_b, i_h, s_ob, s_oh, num_splits, G: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr):  # fmt: skip
-    """Called by every split program of (request i_b, KV head i_h) after its partial (or its -inf
-    lse) is stored: the last of the num_splits programs to arrive merges the G query heads' partials
-    into the output and re-arms the counter (the threadFenceReduction pattern: CTA barrier, then a
-    gpu-scope acq_rel atomic; the router kernel uses the same). Replaces the merge kernel: only the
-    last pair's merge is left on the critical path, not a second launch and its wave.
-
-    Rows r of a chunk are (head g = r // MERGE_SPLITS, split c + r % MERGE_SPLITS); each row's weight
-    2^(lse - max_g) / sum_g comes from its head's max and sum, read as a [rows, BLOCK_S] tile (no
-    gather from registers); empty splits (lse -inf) get weight 0 and their unwritten partial is not
-    read."""
-    tl.debug_barrier()  # every thread's partial stored before the counter moves (release below)
-    i_pair = i_b.to(tl.int64) * tl.num_programs(1) + i_h
-    done = tl.atomic_add(counters + i_pair, 1, sem="acq_rel")
-    if done == num_splits - 1:
-        RB: tl.constexpr = BLOCK_G * MERGE_SPLITS
-        o_r = tl.arange(0, RB)
-        g = o_r // MERGE_SPLITS
-        m_g = g < G
-        row0 = (i_b.to(tl.int64) * (G * tl.num_programs(1)) + i_h * G + tl.where(m_g, g, 0)) * num_splits  # [RB]
-        o_s = tl.arange(0, BLOCK_S)
-        all_lse = tl.load(lse_part + row0[:, None] + o_s[None, :], mask=m_g[:, None] & (o_s < num_splits)[None, :],
-                          other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-        m = tl.max(all_lse, 1)
-        m = tl.where(m == float("-inf"), 0.0, m)  # [RB], each row its head's max
-        den = tl.sum(tl.exp2(all_lse - m[:, None]), 1)
-        den = tl.where(den > 0.0, den, 1.0)
-        o_d = tl.arange(0, BLOCK_D)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        for c in range(0, num_splits, MERGE_SPLITS):
-            s = c + o_r % MERGE_SPLITS
-            ok = m_g & (s < num_splits)
-            lse = tl.load(lse_part + row0 + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            live = lse > float("-inf")
-            w = tl.where(live, tl.exp2(lse - m) / den, 0.0)  # [RB]
-            b_o = tl.load(o_part + (row0 + s)[:, None] * HEAD_DIM + o_d[None, :],
-                          mask=live[:, None] & (o_d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-            acc += tl.sum(tl.reshape(b_o * w[:, None], [BLOCK_G, MERGE_SPLITS, BLOCK_D]), 1)
-        o_g = tl.arange(0, BLOCK_G)
-        p_o = o + i_b.to(tl.int64) * s_ob + ((i_h * G + o_g) * s_oh)[:, None] + o_d[None, :]
-        tl.store(p_o, acc.to(o.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < HEAD_DIM)[None, :])
-        tl.atomic_xchg(counters + i_pair, 0)  # re-armed for the next call (stream order)
-
-
-@triton.jit
 def _decode_kernel(
     q,
     k_cache,
@@ -137,7 +90,6 @@ def _decode_kernel(
     o,
     o_part,
     lse_part,
-    counters,
     block_table,
     seq_lens,
     head_modes,
@@ -173,10 +125,6 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    LAST_MERGES: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr,
 ):
     if USE_PDL:  # the merge kernel may launch (and wait in griddepcontrol.wait) once every split started
         tl.extra.cuda.gdc_launch_dependents()
@@ -217,9 +165,6 @@ def _decode_kernel(
         o_pr = (i_b.to(tl.int64) * (G * tl.num_programs(1)) + o_hq) * num_splits + i_s  # [BH]
         if v_lo >= v_hi:
             tl.store(lse_part + o_pr, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=m_row)
-            if LAST_MERGES:
-                _arrive_and_merge(o, o_part, lse_part, counters, i_b, i_h, s_ob, s_oh, num_splits, G, HEAD_DIM,
-                                  BLOCK_D, BLOCK_G, BLOCK_S, MERGE_SPLITS)  # fmt: skip
             return
     p_q = q + i_b.to(tl.int64) * s_qb + (o_hq * s_qh)[:, None] + o_d[None, :]
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BH, BD]
@@ -243,9 +188,6 @@ def _decode_kernel(
         tl.store(o_part + o_pr[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_row[:, None] & m_d[None, :])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_s), float("-inf"))
         tl.store(lse_part + o_pr, lse, mask=m_row)
-        if LAST_MERGES:
-            _arrive_and_merge(o, o_part, lse_part, counters, i_b, i_h, s_ob, s_oh, num_splits, G, HEAD_DIM,
-                              BLOCK_D, BLOCK_G, BLOCK_S, MERGE_SPLITS)  # fmt: skip
     else:
         p_o = o + i_b.to(tl.int64) * s_ob + (o_hq * s_oh)[:, None] + o_d[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
@@ -285,18 +227,6 @@ def _decode_merge_kernel(
 
 
 HEAVY_FIRST_MAX_PAIRS = 2048  # every program scans all pairs: a bound on that vector
-_COUNTERS: dict = {}
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for n (request, KV head) pairs, one buffer per device, grown by
-    doubling (at least 4096 pairs: the first call, eager warm-up before any CUDA-graph capture in
-    vLLM, sizes it for every later batch). The kernel leaves every counter at zero."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        size = max(4096, n if buf is None else max(n, 2 * buf.numel()))
-        buf = _COUNTERS[device] = torch.zeros(size, device=device, dtype=torch.int32)
-    return buf
 
 
 def default_decode_config(head_dim: int) -> dict:
@@ -338,7 +268,6 @@ def decode_attention(
     num_stages: int | None = None,
     pdl: bool | None = None,
     heavy_first: bool | None = None,
-    last_merges: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query per request, per-(request, KV head) FA or SSA, split-KV.
 
@@ -355,12 +284,8 @@ def decode_attention(
             overlaps the splits' tail; default: on sm_90+ CUDA; True elsewhere is a ValueError).
         heavy_first: launch order with the programs of the FA/XA (request, head) pairs first and the
             short SSA ones after them (``_heavy_first_program``; at most ``HEAVY_FIRST_MAX_PAIRS``
-            pairs). Default off: on the H200 it gained 3.6% at 128K x 16 with 75% SSA heads and lost
-            ~1% at the e2e shapes (kernels.py section ``decode order``).
-        last_merges: with splits, the last split program of each (request, KV head) to finish merges
-            the partials (``_arrive_and_merge``; counters in a per-device buffer that the kernel
-            re-arms, so calls on one device must not run concurrently on two streams) instead of a
-            second merge kernel; default on.
+            pairs). Default off: on the H200 (CUDA-graph replay) it gained 3.6% at 128K x 16 with 75%
+            SSA heads and lost 1% at the e2e shapes (kernels.py section ``decode order``).
 
     Returns:
         out [B, Hq, D] in q's dtype. No host synchronisation; CUDA-graph capturable.
@@ -417,15 +342,13 @@ def decode_attention(
     else:
         o_part = lse_part = out
     hm_slots = head_mode_slots if head_mode_slots is not None else seq_lens
-    last_merges = split if last_merges is None else bool(last_merges) and split
-    counters = _merge_counters(dev, B * hkv) if last_merges else seq_lens
     n_pairs = B * hkv
     heavy_first = bool(heavy_first)
     if heavy_first and n_pairs > HEAVY_FIRST_MAX_PAIRS:
         raise ValueError(f"heavy_first: at most {HEAVY_FIRST_MAX_PAIRS} (request, KV head) pairs, got {n_pairs}")
     block_d = max(next_pow2(d), 16)
     _decode_kernel[(ns, hkv, B)](
-        q, key_cache, value_cache, out, o_part, lse_part, counters, block_table, seq_lens, head_modes, hm_slots,
+        q, key_cache, value_cache, out, o_part, lse_part, block_table, seq_lens, head_modes, hm_slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -433,13 +356,11 @@ def decode_attention(
         ns, min_tiles, sink, window, scale * 1.4426950408889634,
         G=g, BLOCK_H=max(16, next_pow2(g)), BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=block_d,
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, SPLIT=split,
-        DOT_PREC=dot_precision(q.dtype), USE_PDL=split and use_pdl and not last_merges,
-        LAST_MERGES=last_merges, BLOCK_G=max(2, next_pow2(g)), BLOCK_S=max(2, next_pow2(ns)),
-        MERGE_SPLITS=max(1, 64 // max(2, next_pow2(g))),
+        DOT_PREC=dot_precision(q.dtype), USE_PDL=split and use_pdl,
         HEAVY_FIRST=bool(heavy_first), BLOCK_P=max(16, next_pow2(n_pairs)) if heavy_first else 16,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
-    if split and not last_merges:
+    if split:
         _decode_merge_kernel[(B, hq)](
             out, o_part, lse_part, out.stride(0), out.stride(1), ns,
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(next_pow2(ns), 2), USE_PDL=use_pdl, num_warps=4,

@@ -583,6 +583,7 @@ class Router:
         228 KB shared memory with 1 KB reserved per block), times the SMs. Computed once."""
         if self._fused_capacity is None:
             k = _route_fused_kernel.warmup(*args, grid=(1,), **kw)
+            k._init_handles()  # loads the module: n_regs comes from the driver
             warps = kw["num_warps"]
             regs_per_warp = -(-max(k.n_regs, 1) * 32 // 256) * 256
             per_sm = min(32, 64 // warps, 65536 // (regs_per_warp * warps), (233472 // (k.metadata.shared + 1024)))

@@ -154,8 +154,7 @@ def router_rows() -> list[dict]:
 
 
 def decode_rows() -> list[dict]:
-    """The split-KV decode kernel at 32K x 16, merging by its last split program (the default) and with the merge
-    kernel (a programmatic dependent launch on sm_90)."""
+    """The split-KV decode kernel and its merge kernel (a programmatic dependent launch on sm_90) at 32K x 16."""
     from elastic_vllm.csrc import _common
     from elastic_vllm.csrc import decode as D
 
@@ -164,16 +163,12 @@ def decode_rows() -> list[dict]:
     D.num_sms = lambda device: 132  # the H200's SM count: the split count the GPU would use
     B, hq, hkv, d, bs, ctx = 16, 32, 8, 128, 16, 32768
     kv = torch.empty(B * ctx // bs + 1, 2, bs, hkv, d, dtype=torch.bfloat16)
-    rows = []
-    for last in (True, False):
-        D.decode_attention(
-            torch.empty(B, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1],
-            torch.zeros(B, ctx // bs, dtype=torch.int32), torch.full((B,), ctx, dtype=torch.int32),
-            torch.zeros(B, hkv, dtype=torch.int8), sink=128, window=2048, max_seq_len=ctx, last_merges=last,
-        )  # fmt: skip
-        for k in ("_decode_kernel",) + (() if last else ("_decode_merge_kernel",)):
-            rows.append({"kernel": k, "block_size": bs, "last_merges": last, **_resources(got[k])})
-    return rows
+    D.decode_attention(
+        torch.empty(B, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(B, ctx // bs, dtype=torch.int32),
+        torch.full((B,), ctx, dtype=torch.int32), torch.zeros(B, hkv, dtype=torch.int8), sink=128, window=2048,
+        max_seq_len=ctx,
+    )  # fmt: skip
+    return [{"kernel": k, "block_size": bs, **_resources(got[k])} for k in ("_decode_kernel", "_decode_merge_kernel")]
 
 
 def main() -> int:
