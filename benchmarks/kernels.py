@@ -729,7 +729,8 @@ def router_section() -> None:
         router = Router(w, table, inv_freq=inv, num_kv_heads=HKV, head_dim=d, block_size=BS)
         all_layers = functools.partial(route_all_layers, router, kc, bts, req, plen, req)
         r = timeit(all_layers)
-        row = {"prompt": S, "requests": R, "layers": L, "eager": r, "slices": [router.ns1, router.ns2]}
+        row = {"prompt": S, "requests": R, "layers": L, "launches_per_layer": 2, "eager": r,
+               "slices": [router.ns1, router.ns2]}  # fmt: skip
         if DEV.type == "cuda":
             all_layers()
             torch.cuda.synchronize()
@@ -739,22 +740,8 @@ def router_section() -> None:
             row["graph"] = timeit(cg.replay)
             row["graph_us_per_layer"] = row["graph"]["ms"] * 1e3 / L
             row["pdl"] = router.pdl
-            n_prog = router.ns2 * HKV * R
-            row["one_launch"] = n_prog <= router.fused_capacity(*router.last_fused_launch[1:])
-            row["launches_per_layer"] = 1 if row["one_launch"] else 2
-            row["fused_capacity_programs"] = router.fused_capacity(*router.last_fused_launch[1:])
-            # the same graph with the two-launch kernels (fused=False)
-            two = Router(w, table, inv_freq=inv, num_kv_heads=HKV, head_dim=d, block_size=BS, fused=False)
-            route_all_layers(two, kc, bts, req, plen, req)
-            torch.cuda.synchronize()
-            g2 = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g2):
-                route_all_layers(two, kc, bts, req, plen, req)
-            row["graph_two_launches"] = timeit(g2.replay)
-            row["graph_two_launches_us_per_layer"] = row["graph_two_launches"]["ms"] * 1e3 / L
-            if router.pdl:  # the two-launch graph with launch 2 as an ordinary launch
-                plain = Router(w, table, inv_freq=inv, num_kv_heads=HKV, head_dim=d, block_size=BS, pdl=False,
-                               fused=False)  # fmt: skip
+            if router.pdl:  # the same graph with launch 2 as an ordinary launch
+                plain = Router(w, table, inv_freq=inv, num_kv_heads=HKV, head_dim=d, block_size=BS, pdl=False)
                 route_all_layers(plain, kc, bts, req, plen, req)  # compile outside the capture
                 torch.cuda.synchronize()
                 g0 = torch.cuda.CUDAGraph()
@@ -799,7 +786,6 @@ def summary() -> None:
     for r in REPORT.get("router", []):
         g = r.get("graph", {}).get("ms")
         print(f"  router prompt={r['prompt']} R={r['requests']} eager {r['eager']['ms']:.3f} ms graph {g} ms"
-              f" one_launch {r.get('one_launch')} two-launch graph {r.get('graph_two_launches', {}).get('ms')} ms"
               f" task-only {r.get('graph_task_only_us_per_layer')} us/layer router-only"
               f" {r.get('graph_router_only_us_per_layer')} us/layer")  # fmt: skip
     print(f"  ours config {REPORT.get('ours_config')}; skipped {REPORT.get('skipped')}; errors {REPORT.get('errors')}")

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, interpret, next_pow2, num_sms, resolve_pdl
+from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, next_pow2, resolve_pdl
 
 FUSED_POOL_MAX = 512  # pooled positions up to which launch 1 pools by itself (boundary default: 200)
 POOL_PROGRAMS = 32  # token-parallel pooling programs per (request, head) otherwise
@@ -152,17 +152,19 @@ def _route_pool_kernel(
         tl.store(p_o + ROT + o_p, xp, mask=o_p < D - ROT)
 
 
-@triton.jit
-def _task_slice(
+@triton.jit(do_not_specialize=["layer", "pool_tokens"])
+def _route_task_kernel(
     key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f, norm,
     s_kb, s_kt, s_kh, s_bt, s_w, layer, pool_tokens, attention_scaling,
     HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, HID: tl.constexpr,
     NS1: tl.constexpr, FUSED_POOL: tl.constexpr, NPOOL: tl.constexpr, HAS_NORM: tl.constexpr,
-    NT_POOL: tl.constexpr,
+    NT_POOL: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (s, h, r) of launch 1 (and of the fused kernel's first phase): pool head h (or sum the
-    pooling launch's partials), Task MLP hidden slice s, partial f stored to ws_f."""
+    """Launch 1: pool head h (or sum the pooling launch's partials), Task MLP hidden slice s.
+    USE_PDL: lets launch 2 start (and load its weights) as soon as every program here has started."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_r = tl.program_id(2)
@@ -220,31 +222,22 @@ def _task_slice(
     tl.store(ws_f + ((i_r * HKV + i_h) * NS1 + i_s).to(tl.int64) * D + o_d, f_part, mask=m_d)
 
 
-@triton.jit(do_not_specialize=["layer", "pool_tokens"])
-def _route_task_kernel(
-    key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f, norm,
-    s_kb, s_kt, s_kh, s_bt, s_w, layer, pool_tokens, attention_scaling,
-    HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, HID: tl.constexpr,
-    NS1: tl.constexpr, FUSED_POOL: tl.constexpr, NPOOL: tl.constexpr, HAS_NORM: tl.constexpr,
-    NT_POOL: tl.constexpr, USE_PDL: tl.constexpr,
+@triton.jit(do_not_specialize=["layer", "fa_value", "sa_value", "decode_dense"])
+def _route_router_kernel(
+    weights, ws_f, ws_v, cnt, slots, table, logits, s_w, s_t0, s_t1, s_t2, layer, fa_value, sa_value,
+    e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
+    s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr, NS1: tl.constexpr,
+    NS2: tl.constexpr, HAS_LOGITS: tl.constexpr, USE_PDL: tl.constexpr, EPILOGUE: tl.constexpr,
 ):  # fmt: skip
-    """Launch 1: pool head h (or sum the pooling launch's partials), Task MLP hidden slice s.
-    USE_PDL: lets launch 2 start (and load its weights) as soon as every program here has started."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    _task_slice(
-        key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f, norm,
-        s_kb, s_kt, s_kh, s_bt, s_w, layer, pool_tokens, attention_scaling,
-        HKV, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BLOCK_D, BLOCK_T, BS, HID, NS1, FUSED_POOL, NPOOL, HAS_NORM, NT_POOL,
-    )  # fmt: skip
-
-
-@triton.jit
-def _router_weights(weights, s_w, layer, i_s, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
-                    NS2: tl.constexpr):  # fmt: skip
-    """The Router-MLP weights of hidden slice i_s (W3 rows, b3, W4 columns) and the finishing program's
-    (b2 as f's start, b4, W5, b5): loaded by every program before it waits for the Task partials."""
+    """Launch 2: Router MLP hidden slice s2; the last slice program of (r, h) finishes the head.
+    USE_PDL: launched as a programmatic dependent of launch 1: every weight load is issued before
+    ``griddepcontrol.wait``, the first read of launch 1's output, so the weights arrive while launch 1
+    still runs. EPILOGUE: the finishing program also applies the row's forced routing and decode-phase
+    modes and writes the engine's per-step and per-request tables (``RouteEpilogue``)."""
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_r = tl.program_id(2)
     CH: tl.constexpr = HID // NS2
     OFF_W3: tl.constexpr = 2 * HID * D + HID + D
     OFF_W4: tl.constexpr = OFF_W3 + HID * D + HID
@@ -256,33 +249,19 @@ def _router_weights(weights, s_w, layer, i_s, D: tl.constexpr, BLOCK_D: tl.const
     w3 = tl.load(p_w + OFF_W3 + o_j[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0.0)  # [CH, BD]
     b3 = tl.load(p_w + OFF_W3 + HID * D + o_j)
     w4 = tl.load(p_w + OFF_W4 + o_d[None, :] * HID + o_j[:, None], mask=m_d[None, :], other=0.0)  # [CH, BD]
-    f0 = tl.load(p_w + 2 * HID * D + HID + o_d, mask=m_d, other=0.0)  # b2
+    i_rh = i_r * HKV + i_h
+    f = tl.load(p_w + 2 * HID * D + HID + o_d, mask=m_d, other=0.0)  # b2
+    # the finishing program's weights, loaded by every program before the counter (off the tail)
     b4 = tl.load(p_w + OFF_W4 + D * HID + o_d, mask=m_d, other=0.0)
     w5a = tl.load(p_w + OFF_W5 + o_d, mask=m_d, other=0.0)
     w5b = tl.load(p_w + OFF_W5 + D + o_d, mask=m_d, other=0.0)
     b5a = tl.load(p_w + OFF_W5 + 2 * D)
     b5b = tl.load(p_w + OFF_W5 + 2 * D + 1)
-    return w3, b3, w4, f0, b4, w5a, w5b, b5a, b5b
-
-
-@triton.jit
-def _router_rest(
-    w3, b3, w4, f0, b4, w5a, w5b, b5a, b5b, ws_f, ws_v, cnt, bar, slots, table, logits, s_t0, s_t1, s_t2, layer,
-    fa_value, sa_value, e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
-    s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense, i_s, i_h, i_r,
-    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NS1: tl.constexpr, NS2: tl.constexpr,
-    HAS_LOGITS: tl.constexpr, EPILOGUE: tl.constexpr, RESET_BAR: tl.constexpr,
-):  # fmt: skip
-    """Router MLP hidden slice i_s from the Task partials (visible to this program when called), then
-    the counter; the last of the NS2 programs of (r, h) finishes the head (and re-arms the counter,
-    and with RESET_BAR the fused kernel's barrier counter, which every program has passed by then)."""
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    i_rh = i_r * HKV + i_h
-    # the NS1 Task-MLP partials in one 2-D load (one memory latency, not NS1), a fixed-order tree sum;
-    # .cg: from L2 (the fused kernel reads what other programs of this launch wrote)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # launch 1 complete, its partials visible
+    # the NS1 Task-MLP partials in one 2-D load (one memory latency, not NS1), a fixed-order tree sum
     p_f = ws_f + (i_rh * NS1).to(tl.int64) * D + tl.arange(0, NS1)[:, None] * D + o_d[None, :]
-    f = f0 + tl.sum(tl.load(p_f, mask=m_d[None, :], other=0.0, cache_modifier=".cg"), 0)
+    f += tl.sum(tl.load(p_f, mask=m_d[None, :], other=0.0), 0)
     u = _silu(tl.sum(w3 * f[None, :], 1) + b3)  # [CH]
     v_part = tl.sum(w4 * u[:, None], 0)  # [BD]
     p_v = ws_v + (i_rh * NS2).to(tl.int64) * D
@@ -319,80 +298,6 @@ def _router_rest(
                 tl.store(p_tl, z0)
                 tl.store(p_tl + 1, z1)
         tl.atomic_xchg(cnt + i_rh, 0)  # re-armed for the next layer (stream order)
-        if RESET_BAR:
-            tl.atomic_xchg(bar + i_rh, 0)
-
-
-@triton.jit(do_not_specialize=["layer", "fa_value", "sa_value", "decode_dense"])
-def _route_router_kernel(
-    weights, ws_f, ws_v, cnt, slots, table, logits, s_w, s_t0, s_t1, s_t2, layer, fa_value, sa_value,
-    e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
-    s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense,
-    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr, NS1: tl.constexpr,
-    NS2: tl.constexpr, HAS_LOGITS: tl.constexpr, USE_PDL: tl.constexpr, EPILOGUE: tl.constexpr,
-):  # fmt: skip
-    """Launch 2: Router MLP hidden slice s2; the last slice program of (r, h) finishes the head.
-    USE_PDL: launched as a programmatic dependent of launch 1: every weight load is issued before
-    ``griddepcontrol.wait``, the first read of launch 1's output, so the weights arrive while launch 1
-    still runs. EPILOGUE: the finishing program also applies the row's forced routing and decode-phase
-    modes and writes the engine's per-step and per-request tables (``RouteEpilogue``)."""
-    i_s = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_r = tl.program_id(2)
-    w3, b3, w4, f0, b4, w5a, w5b, b5a, b5b = _router_weights(weights, s_w, layer, i_s, D, BLOCK_D, HID, NS2)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # launch 1 complete, its partials visible
-    _router_rest(
-        w3, b3, w4, f0, b4, w5a, w5b, b5a, b5b, ws_f, ws_v, cnt, cnt, slots, table, logits, s_t0, s_t1, s_t2, layer,
-        fa_value, sa_value, e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
-        s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense, i_s, i_h,
-        i_r, HKV, D, BLOCK_D, NS1, NS2, HAS_LOGITS, EPILOGUE, False,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["layer", "pool_tokens", "fa_value", "sa_value", "decode_dense"])
-def _route_fused_kernel(
-    key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f, ws_v, cnt, bar, norm,
-    slots, table, logits, s_kb, s_kt, s_kh, s_bt, s_w, s_t0, s_t1, s_t2, layer, pool_tokens, attention_scaling,
-    fa_value, sa_value, e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
-    s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense,
-    HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, HID: tl.constexpr,
-    NS: tl.constexpr, FUSED_POOL: tl.constexpr, NPOOL: tl.constexpr, HAS_NORM: tl.constexpr,
-    NT_POOL: tl.constexpr, HAS_LOGITS: tl.constexpr, EPILOGUE: tl.constexpr, PHASE: tl.constexpr,
-):  # fmt: skip
-    """Both MLPs in ONE launch (a cooperative grid: every program resident, so waiting is safe).
-    Program (s, h, r): launch 1's work (pool, Task slice s, partial f), arrival at the barrier
-    counter of (r, h), the Router-MLP weights of slice s loaded while the other NS - 1 programs of
-    (r, h) arrive, a spin on that counter (acquire), then launch 2's work. PHASE 0 does all of it;
-    PHASE 1 / 2 are its two halves as two ordinary launches, which is how the interpreter (programs
-    run one after another, a spin would never end) tests the same code: the counter has reached NS
-    before phase 2 starts, so its wait is skipped, and its finishing program re-arms both counters."""
-    i_s = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_r = tl.program_id(2)
-    i_rh = i_r * HKV + i_h
-    if PHASE != 2:
-        _task_slice(
-            key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f, norm,
-            s_kb, s_kt, s_kh, s_bt, s_w, layer, pool_tokens, attention_scaling,
-            HKV, HALF, ROT, D, BLOCK_HALF, BLOCK_P, BLOCK_D, BLOCK_T, BS, HID, NS, FUSED_POOL, NPOOL, HAS_NORM,
-            NT_POOL,
-        )  # fmt: skip
-        tl.debug_barrier()  # the partial f stored by every thread before the arrival (release)
-        tl.atomic_add(bar + i_rh, 1, sem="release")
-    if PHASE != 1:
-        w3, b3, w4, f0, b4, w5a, w5b, b5a, b5b = _router_weights(weights, s_w, layer, i_s, D, BLOCK_D, HID, NS)
-        if PHASE == 0:
-            while tl.atomic_add(bar + i_rh, 0, sem="acquire") < NS:
-                pass
-            tl.debug_barrier()  # every thread after the acquire
-        _router_rest(
-            w3, b3, w4, f0, b4, w5a, w5b, b5a, b5b, ws_f, ws_v, cnt, bar, slots, table, logits, s_t0, s_t1, s_t2,
-            layer, fa_value, sa_value, e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
-            s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense, i_s,
-            i_h, i_r, HKV, D, BLOCK_D, NS, NS, HAS_LOGITS, EPILOGUE, True,
-        )  # fmt: skip
 
 
 @dataclass
@@ -502,7 +407,6 @@ class Router:
         num_chunks: int | None = None,
         norm: torch.Tensor | None = None,
         pdl: bool | None = None,
-        fused: bool | None = None,
     ):
         dev = weights.device
         d, hkv = head_dim, num_kv_heads
@@ -521,8 +425,6 @@ class Router:
                 raise ValueError("norm: must be contiguous (use pack_router_norm)")
         self.norm = norm
         self.pdl = resolve_pdl(pdl, dev)
-        self.fused = fused
-        self._fused_capacity: int | None = None
         rot = 2 * inv_freq.shape[0]
         if rot == 0 or rot > d:
             raise ValueError(f"inv_freq: rotary_dim {rot} must be in (0, head_dim {d}]")
@@ -555,9 +457,6 @@ class Router:
                                 USE_PDL=self.pdl, num_warps=4)  # fmt: skip
         if self.pdl:
             self.router_meta["launch_pdl"] = True
-        # the fused kernel: one slice count for both MLPs (launch 2's), launch 1's pool and warps
-        fm = {k: v for k, v in self.task_meta.items() if k not in ("NS1", "USE_PDL")}
-        self.fused_meta = dict(fm, NS=self.ns2)
 
     def workspace(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pool partials, Task-MLP partials, Router-MLP partials, counters) for R requests, cached per
@@ -570,25 +469,11 @@ class Router:
             pool = torch.empty(R * self.hkv * POOL_PROGRAMS * self.d if not self.fused_pool else 1, **f32)
             ws = _WS[key] = (
                 pool,
-                torch.empty(R * self.hkv * max(self.ns1, self.ns2) * self.d, **f32),  # the fused kernel: ns2 slices
+                torch.empty(R * self.hkv * self.ns1 * self.d, **f32),
                 torch.empty(R * self.hkv * self.ns2 * self.d, **f32),
-                torch.zeros(2, R * self.hkv, device=self.device, dtype=torch.int32),  # counter, fused barrier
+                torch.zeros(R * self.hkv, device=self.device, dtype=torch.int32),
             )
         return ws
-
-    def fused_capacity(self, args: tuple, kw: dict) -> int:
-        """How many fused-kernel programs the GPU holds at once (a cooperative launch needs all of its
-        grid resident): blocks per SM from the compiled kernel's registers, warps and shared memory
-        (sm_90 limits: 64K registers allocated per warp in 256-register units, 64 warps, 32 blocks,
-        228 KB shared memory with 1 KB reserved per block), times the SMs. Computed once."""
-        if self._fused_capacity is None:
-            k = _route_fused_kernel.warmup(*args, grid=(1,), **kw)
-            k._init_handles()  # loads the module: n_regs comes from the driver
-            warps = kw["num_warps"]
-            regs_per_warp = -(-max(k.n_regs, 1) * 32 // 256) * 256
-            per_sm = min(32, 64 // warps, 65536 // (regs_per_warp * warps), (233472 // (k.metadata.shared + 1024)))
-            self._fused_capacity = max(per_sm, 0) * num_sms(self.device)
-        return self._fused_capacity
 
     def __call__(
         self,
@@ -610,8 +495,7 @@ class Router:
         R = req_rows.shape[0]
         if R == 0:
             return
-        pool, ws_f, ws_v, counters = self.workspace(R)
-        cnt, bar = counters[0], counters[1]
+        pool, ws_f, ws_v, cnt = self.workspace(R)
         ks = key_cache.stride()
         bts = block_table.stride(0)
         sw = self.weights.stride(0)
@@ -620,49 +504,24 @@ class Router:
                 key_cache, block_table, req_rows, prompt_lens, self.inv_freq, pool, ks[0], ks[1], ks[2], bts,
                 self.pool_tokens, NPOOL=POOL_PROGRAMS, num_warps=4, **self.pool_meta,
             )  # fmt: skip
-        ts = self.table.stride()
-        has_lg = logits_out is not None
-        fv = self.fa_value if fa_value is None else int(fa_value)
-        sv = self.sa_value if sa_value is None else int(sa_value)
-        if epilogue is None:
-            ep = (ws_v,) * 8 + (0,) * 12 + (0,)
-        else:
-            e = epilogue
-            ep = (e.rows, e.force, e.decode_phase, e.final_slot, e.row_modes, e.table_modes, e.table_fa,
-                  e.table_logits, *e.row_modes.stride(), *e.table_modes.stride(), *e.table_fa.stride(),
-                  *e.table_logits.stride()[:3], int(e.decode_dense))  # fmt: skip
-        if self.fused is not False and tuple(stages) == ("task", "router"):
-            args = (
-                key_cache, block_table, req_rows, prompt_lens, self.inv_freq, self.weights, pool, ws_f, ws_v, cnt, bar,
-                self.norm if self.norm is not None else self.weights, slots, self.table,
-                logits_out if has_lg else ws_v, ks[0], ks[1], ks[2], bts, sw, ts[0], ts[1], ts[2], layer,
-                self.pool_tokens, self.scaling, fv, sv, *ep,
-            )  # fmt: skip
-            grid = (self.ns2, self.hkv, R)
-            kw = dict(self.fused_meta, HAS_LOGITS=has_lg, EPILOGUE=epilogue is not None)
-            self.last_fused_launch = (grid, args, kw)  # for scripts/sm90_build.py (an offline build of it)
-            if interpret():  # programs run one after another: the two halves as two launches (see the kernel)
-                _route_fused_kernel[grid](*args, PHASE=1, **kw)
-                _route_fused_kernel[grid](*args, PHASE=2, **kw)
-                return
-            if self.device.type == "cuda":
-                kw.update(PHASE=0, launch_cooperative_grid=True)
-                n = self.ns2 * self.hkv * R
-                cap = self.fused_capacity(args, kw)
-                if n <= cap:
-                    _route_fused_kernel[grid](*args, **kw)
-                    return
-                if self.fused:
-                    raise ValueError(f"fused: {n} programs for {R} requests exceed the {cap} the GPU holds at once")
-            elif self.fused:
-                raise ValueError(f"fused: needs a CUDA device or the interpreter, got {self.device}")
         if "task" in stages:
             _route_task_kernel[(self.ns1, self.hkv, R)](
                 key_cache, block_table, req_rows, prompt_lens, self.inv_freq, self.weights, pool, ws_f,
                 self.norm if self.norm is not None else self.weights,
                 ks[0], ks[1], ks[2], bts, sw, layer, self.pool_tokens, self.scaling, **self.task_meta,
             )  # fmt: skip
+        ts = self.table.stride()
+        has_lg = logits_out is not None
         if "router" in stages:
+            fv = self.fa_value if fa_value is None else int(fa_value)
+            sv = self.sa_value if sa_value is None else int(sa_value)
+            if epilogue is None:
+                ep = (ws_v,) * 8 + (0,) * 12 + (0,)
+            else:
+                e = epilogue
+                ep = (e.rows, e.force, e.decode_phase, e.final_slot, e.row_modes, e.table_modes, e.table_fa,
+                      e.table_logits, *e.row_modes.stride(), *e.table_modes.stride(), *e.table_fa.stride(),
+                      *e.table_logits.stride()[:3], int(e.decode_dense))  # fmt: skip
             _route_router_kernel[(self.ns2, self.hkv, R)](
                 self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw,
                 ts[0], ts[1], ts[2], layer, fv, sv, *ep, HAS_LOGITS=has_lg, EPILOGUE=epilogue is not None,
@@ -715,7 +574,6 @@ def route(
     num_chunks: int | None = None,
     norm: torch.Tensor | None = None,
     epilogue: RouteEpilogue | None = None,
-    fused: bool | None = None,
 ) -> torch.Tensor:
     """Route ``R`` requests at one layer and write their decisions into ``table`` in place.
 
@@ -736,7 +594,6 @@ def route(
         norm: optional [L, Hkv, 2, d] float32 input standardization from ``pack_router_norm``.
         epilogue: optional engine tables to write as well (``RouteEpilogue``: forced rows, decode-phase
             modes, the per-step row modes and the per-request tables).
-        fused: both MLPs in one launch (see ``Router``).
 
     Returns:
         table. No host synchronisation.
@@ -754,7 +611,7 @@ def route(
     router = Router(
         weights, table, inv_freq=inv_freq, num_kv_heads=hkv, head_dim=d, block_size=bs,
         attention_scaling=attention_scaling, pool_tokens=pool_tokens, pooling=pooling, fa_value=fa_value,
-        sa_value=sa_value, num_chunks=num_chunks, norm=norm, fused=fused,
+        sa_value=sa_value, num_chunks=num_chunks, norm=norm,
     )  # fmt: skip
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer: {layer} out of range for {num_layers} router layers")

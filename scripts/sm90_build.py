@@ -9,8 +9,7 @@ no launch). From each cubin, with the cuobjdump that Triton ships: registers, st
 and the global loads by width (LDG.E = 4 bytes, LDG.E.128 = 16 bytes). Rows: the prefill kernel in both
 program orders at block size 16 and 128 (Llama-3.1-8B attention shape); the two router kernels with
 packed weight rows padded (``pack_router_weights``) and unpadded (``router_param_count`` floats), with the
-order of their loads and barriers (``schedule``), and the one-launch router kernel; the decode split and merge
-kernels.
+order of their loads and barriers (``schedule``); the decode split and merge kernels.
 """
 
 from __future__ import annotations
@@ -146,10 +145,6 @@ def router_rows() -> list[dict]:
         router(kc, torch.zeros(1, S // bs, dtype=torch.int32), one, torch.full((1,), S, dtype=torch.int32), one, 1)
         for k in ("_route_task_kernel", "_route_router_kernel"):
             rows.append({"kernel": k, "weight_rows": name, "row_floats": w.shape[1], **_resources(got[k])})
-        # the one-launch kernel (a cooperative launch on the GPU): built from the launch the Router prepared
-        grid, args, kw = router.last_fused_launch
-        fk = R._route_fused_kernel.warmup(*args, grid=grid, **dict(kw, PHASE=0, launch_cooperative_grid=True))
-        rows.append({"kernel": "_route_fused_kernel", "weight_rows": name, "row_floats": w.shape[1], **_resources(fk)})
     return rows
 
 

@@ -244,7 +244,7 @@ def decode_case(seqs, hq, hkv, d, bs, dtype, sink, window, sa_share, graph=False
     return fn
 
 
-def route_case(lens, layers, pooling="boundary", pool_tokens=100, fused=None):
+def route_case(lens, layers, pooling="boundary", pool_tokens=100):
     def fn(name):
         import torch
         from elastic_vllm.csrc.route import pack_router_weights, route
@@ -279,7 +279,7 @@ def route_case(lens, layers, pooling="boundary", pool_tokens=100, fused=None):
         for layer in range(layers):
             lg = torch.full((len(lens), hkv, 2), float("nan"), device=DEV)
             route(kc, bt, rows, plens, slots, w, layer, table, inv_freq=spec.inv_freq, logits_out=lg,
-                  pooling=pooling, pool_tokens=pool_tokens, fused=fused)  # fmt: skip
+                  pooling=pooling, pool_tokens=pool_tokens)  # fmt: skip
             want = route_logits_ref(kc, bt, rows, plens, router, layer, spec, pooling, pool_tokens)
             worst = max(worst, max_err(lg, want))
             margin = want[..., 1] - want[..., 0]
@@ -471,16 +471,6 @@ def main() -> int:
         (
             "route 4 layers, prompts 8K/150/128K (boundary 100)",
             route_case([sz(8192), 150, S128], 4) if not ARGS.cpu_dry else route_case([300, 150, 20], 2),
-        ),
-        (
-            "route 4 layers, prompts 8K/150 (boundary 100), one launch (cooperative)",
-            route_case([sz(8192), 150], 4, fused=True) if not ARGS.cpu_dry else route_case([300, 20], 2, fused=True),
-        ),
-        (
-            "route 4 layers, prompts 8K/150/128K (boundary 100), two launches",
-            route_case([sz(8192), 150, S128], 4, fused=False)
-            if not ARGS.cpu_dry
-            else route_case([300, 150, 20], 2, fused=False),
         ),
         (
             "route 2 layers, whole pooling, prompts 8K/150/20K",

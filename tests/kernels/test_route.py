@@ -67,29 +67,24 @@ def check(batch, spec, router, rows, plens, layer, slots, table, pool=100, pooli
     assert torch.equal(table[untouched], before[untouched])
 
 
-FUSED = pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
-
-
-@FUSED
 @pytest.mark.parametrize("num_chunks", [None, 1, 2, 4], ids=["default", "1", "2", "4"])
-def test_route_matches_reference(num_chunks, fused):
+def test_route_matches_reference(num_chunks):
     lens = [1, 7, 199, 200, 201, 450]  # shorter than, equal to and longer than 2 * pool_tokens
     batch, spec, router, rows, plens = make_case(lens)
     table = torch.full((8, 3, 4), 9, dtype=torch.int8)
     slots = torch.tensor([6, 0, 3, 1, 7, 2], dtype=torch.int32)
-    check(batch, spec, router, rows, plens, 1, slots, table, num_chunks=num_chunks, fused=fused)
+    check(batch, spec, router, rows, plens, 1, slots, table, num_chunks=num_chunks)
 
 
-@FUSED
 @pytest.mark.parametrize("pool", [100, 300], ids=["fused-pool", "pooling-launch"])
-def test_route_with_input_norm_matches_reference(pool, fused):
+def test_route_with_input_norm_matches_reference(pool):
     """The router's per-(layer, KV head) input standardization is applied in the kernel (rotary
     halves and the unrotated tail) exactly as ElasticRouter applies it."""
     lens = [1, 150, 450, 700]
     batch, spec, router, rows, plens = make_case(lens, pool=pool, norm=True, seed=3)
     table = torch.full((4, 3, 4), 9, dtype=torch.int8)
     slots = torch.arange(4, dtype=torch.int32)
-    check(batch, spec, router, rows, plens, 2, slots, table, pool=pool, norm=pack_router_norm(router), fused=fused)
+    check(batch, spec, router, rows, plens, 2, slots, table, pool=pool, norm=pack_router_norm(router))
     # without the norm the kernel would compute other logits: the test can fail
     plain = torch.empty(4, 4, 2)
     route(
@@ -200,17 +195,15 @@ def test_route_launcher_errors_name_the_argument():
         route(*a, w, 0, table, inv_freq=spec.inv_freq, num_chunks=3)
 
 
-@FUSED
-def test_prepared_router_repeated_calls_rearm_counters(fused):
-    """The hot-path launcher: one validation, then many layers; the last-program counters (and the
-    one-launch kernel's barrier counters) re-arm."""
+def test_prepared_router_repeated_calls_rearm_counters():
+    """The hot-path launcher: one validation, then many layers; the last-program counters re-arm."""
     from elastic_vllm.csrc.route import Router
 
     batch, spec, router, rows, plens = make_case([120, 230], layers=3, seed=8)
     w = pack_router_weights(router)
     table = torch.full((2, 3, 4), 9, dtype=torch.int8)
     r = Router(w, table, inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, num_kv_heads=4,
-               head_dim=32, block_size=16, num_chunks=2, fused=fused)  # fmt: skip
+               head_dim=32, block_size=16, num_chunks=2)  # fmt: skip
     for layer in (2, 0, 1, 2):
         lg = torch.full((2, 4, 2), float("nan"))
         r(batch.key_cache, batch.block_table, rows, plens, rows, layer, lg)
@@ -222,8 +215,7 @@ def test_prepared_router_repeated_calls_rearm_counters(fused):
 
 @pytest.mark.parametrize("decode_mode, fa_v, sa_v", [("sparse", 0, 1), ("dense", 2, 1), ("sparse", 0, 2)],
                          ids=["FA-SSA-sparse", "XA-SSA-dense", "FA-XA-sparse"])  # fmt: skip
-@FUSED
-def test_route_epilogue_writes_the_engine_tables(decode_mode, fa_v, sa_v, fused):
+def test_route_epilogue_writes_the_engine_tables(decode_mode, fa_v, sa_v):
     """The fused glue: forced rows, decode-phase modes, row modes of this step and the per-request tables,
     against the plugin's own torch functions applied to the reference logits; entries the epilogue must
     not touch keep their sentinels (-7 / NaN)."""
@@ -249,7 +241,6 @@ def test_route_epilogue_writes_the_engine_tables(decode_mode, fa_v, sa_v, fused)
     route(
         batch.key_cache, batch.block_table, rows, plens, rows, pack_router_weights(router), layer, table,
         inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, fa_value=fa_v, sa_value=sa_v, epilogue=e,
-        fused=fused,
     )  # fmt: skip
     z = route_logits_ref(batch.key_cache, batch.block_table, rows, plens, router, layer, spec)
     sure = ((z[..., 1] - z[..., 0]).abs() > 10 * LOGIT_ATOL).all(1)
