@@ -579,6 +579,95 @@ def prefill_vllm_section(S: int, d: int, shares, chunk: int) -> None:
     del x, il
 
 
+def timed_after(fn, pre, reps: int = 15) -> dict:
+    """ms of ``fn`` alone (CUDA events around it) when each call follows ``pre`` on the stream."""
+    if DEV.type != "cuda":
+        pre()
+        return timeit(fn)
+    fn()
+    torch.cuda.synchronize()
+    ev = []
+    for _ in range(reps):
+        pre()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        ev.append((a, b))
+    torch.cuda.synchronize()
+    t = sorted(a.elapsed_time(b) for a, b in ev)
+    return {"ms": t[len(t) // 2], "p20": t[len(t) // 5], "p80": t[(4 * len(t)) // 5]}
+
+
+def prefill_vllm_context_section(S: int, d: int, share: float, chunk: int) -> None:
+    """What else differs inside vLLM, where the kernel took 7.65 ms per layer at 32K / 0.75 against
+    6.53 ms here in vLLM's layout and chunks (``prefill vllm layout + chunks``): (a) the queries as a
+    strided view of a fused qkv tensor ([T, (Hq + 2 Hkv) d], as vLLM splits it); (b) each call right
+    after the layer's four linear layers for a ``chunk``-token step (Llama-3.1-8B shapes), the GPU
+    busy and hot as in a prefill, the attention alone timed by events; (c) both. SDPA flash (dense)
+    under (b) is the control: a clock or L2 effect shows in any kernel, a layout effect only in ours."""
+    from elastic_vllm.csrc.prefill import prefill_attention
+
+    x = prefill_inputs(S, d)
+    cfg = ours_cfg(d)
+    bs = cfg.pop("bs")
+    kc, vc, bt = paged(x, bs)
+    il = torch.cat([kc, vc], dim=-1)
+    k, v = il[..., :d], il[..., d:]
+    qkv = torch.zeros(S, (HQ + 2 * HKV) * d, device=DEV, dtype=DT)
+    qkv[:, : HQ * d] = x["q"].reshape(S, HQ * d)
+    q_strided = qkv[:, : HQ * d].view(S, HQ, d)
+    hm = head_modes(share)
+    n = S // chunk
+
+    def ours(q):
+        out = torch.empty_like(x["q"])
+
+        def fn():
+            for c in range(n):
+                q0, q1 = c * chunk, (c + 1) * chunk
+                prefill_attention(q[q0:q1], k, v, bt, qsl[c], sl[c], hm, sink=SINK, window=WINDOW, out=out[q0:q1],
+                                  **cfg)  # fmt: skip
+            return out
+
+        return fn
+
+    qsl = [torch.tensor([0, chunk], device=DEV, dtype=torch.int32) for _ in range(n)]
+    sl = [torch.tensor([(c + 1) * chunk], device=DEV, dtype=torch.int32) for c in range(n)]
+    hid, inter = (4096, 14336) if DEV.type == "cuda" else (64, 128)
+    t = chunk if DEV.type == "cuda" else 16
+    xa = torch.randn(t, hid, device=DEV, dtype=DT)
+    xb = torch.randn(t, inter, device=DEV, dtype=DT)
+    ws = [torch.randn(hid, (HQ + 2 * HKV) * d, device=DEV, dtype=DT), torch.randn(HQ * d, hid, device=DEV, dtype=DT),
+          torch.randn(hid, 2 * inter, device=DEV, dtype=DT), torch.randn(inter, hid, device=DEV, dtype=DT)]  # fmt: skip
+    xq = torch.randn(t, HQ * d, device=DEV, dtype=DT)
+
+    def linears():
+        for _ in range(n):  # one step per chunk: qkv, o, gate_up, down
+            xa @ ws[0]
+            xq @ ws[1]
+            xa @ ws[2]
+            xb @ ws[3]
+
+    rows = REPORT.setdefault("prefill_vllm_context", [])
+    ref = ours(x["q"])().float()
+    flops = prefill_flops(S, d, share)
+    for name, q, hot in (("contiguous q", x["q"], False), ("strided q", q_strided, False),
+                         ("contiguous q after linears", x["q"], True), ("strided q after linears", q_strided, True)):  # fmt: skip
+        fn = ours(q)
+        rel = float((fn().float() - ref).norm() / ref.norm())
+        r = timed_after(fn, linears) if hot else timeit(fn)
+        rows.append({"S": S, "share": share, "chunks": n, "bs": bs, "case": name, **r,
+                     "TFLOPs": flops / (r["ms"] * 1e-3) / 1e12, "rel_diff_vs_first": rel})  # fmt: skip
+        log(rows[-1])
+    sdpa, _how = sdpa_fn(x)
+    for name, hot in (("sdpa flash dense", False), ("sdpa flash dense after linears", True)):
+        r = timed_after(sdpa, linears) if hot else timeit(sdpa)
+        rows.append({"S": S, "case": name, **r, "TFLOPs": prefill_flops(S, d, 0.0) / (r["ms"] * 1e-3) / 1e12})
+        log(rows[-1])
+    save()
+
+
 def decode_section(ctx: int, batches) -> None:
     for B in batches:
         decode_batch(ctx, B)
@@ -779,6 +868,9 @@ def summary() -> None:
               f" {r.get('x_vs_dense', '')}")  # fmt: skip
     for r in REPORT.get("decode_splits", []):
         print(f"  decode splits ctx={r['ctx']} B={r['B']} {r['mode']:<6} ns={r['num_splits']:<4} {r['ms']:.3f} ms")
+    for r in REPORT.get("prefill_vllm_context", []):
+        print(f"  prefill vllm context S={r['S']} {r['case']:<32} {r['ms']:8.2f} ms {r['TFLOPs']:6.0f} TF/s"
+              f" rel {r.get('rel_diff_vs_first', 0):.1e}")  # fmt: skip
     for r in REPORT.get("decode_order", []):
         print(f"  decode order ctx={r['ctx']} B={r['B']} {r['mode']:<6} heavy_first={r['heavy_first']!s:<5}"
               f" ns={r['num_splits']:<4} eager {r['eager']['ms']:.3f} graph {r['graph']['ms']:.4f} ms"
@@ -830,6 +922,8 @@ def main() -> int:
     vshares = (0.0, 0.75) if not dry else (0.75,)
     section("prefill vllm layout + chunks", lambda: prefill_vllm_section(
         32768 if not dry else 256, 128, vshares, 16384 if not dry else 128), 12)  # fmt: skip
+    section("prefill vllm context", lambda: prefill_vllm_context_section(
+        32768 if not dry else 128, 128, 0.75, 16384 if not dry else 64), 12)  # fmt: skip
     if not dry:
         section("prefill S=131072 d=128", lambda: prefill_section(131072, 128, shares, extra), 50)
         section("decode 32K", lambda: decode_section(32768, (1, 16, 64)), 8)
