@@ -797,6 +797,36 @@ def decode_order_section() -> None:
         save()
 
 
+def decode_config_section() -> None:
+    """Tile configs of the decode kernel (block_n, num_stages, num_warps) at the e2e decode shapes, replayed
+    from a CUDA graph as vLLM's decode step runs it; the first row of each shape is the default config."""
+    from elastic_vllm.csrc.decode import decode_attention, default_decode_config
+
+    rows = REPORT.setdefault("decode_config", [])
+    d = 128
+    dflt = default_decode_config(d)
+    cfgs = [(dflt["block_n"], dflt["num_stages"], dflt["num_warps"])]
+    cfgs += [c for c in ((64, 4, 4), (64, 2, 4), (32, 4, 4), (128, 2, 4), (128, 3, 8), (64, 3, 8)) if c != cfgs[0]]
+    shapes = ((32768, 16), (131072, 4)) if DEV.type == "cuda" else ((512, 2),)
+    for ctx, B in shapes:
+        kv, bt, q, sl, out = decode_inputs(ctx, B, d)
+        for mode, share in (("dense", 0.0), ("sparse", 0.75)):
+            hm = head_modes(share).expand(B, HKV).contiguous()
+            first = None
+            for bn, st, nw in cfgs if DEV.type == "cuda" else cfgs[:2]:
+                fn = functools.partial(
+                    decode_attention, q, kv[:, 0], kv[:, 1], bt, sl, hm, sink=SINK, window=WINDOW, max_seq_len=ctx,
+                    out=out, block_n=bn, num_stages=st, num_warps=nw,
+                )  # fmt: skip
+                o = fn().float()
+                first = o.clone() if first is None else first
+                rows.append({"ctx": ctx, "B": B, "mode": mode, "block_n": bn, "num_stages": st, "num_warps": nw,
+                             "graph": graph_time(fn), "rel_diff_vs_first": float((o - first).norm() / first.norm())})  # fmt: skip
+                log(rows[-1])
+        del kv
+        save()
+
+
 def route_all_layers(router, kc, bts, rows, plen, slots, stages=("task", "router")) -> None:
     for layer, bt in enumerate(bts):
         router(kc, bt, rows, plen, slots, layer, stages=stages)
@@ -877,6 +907,9 @@ def summary() -> None:
     for r in REPORT.get("prefill_vllm_context", []):
         print(f"  prefill vllm context S={r['S']} {r['case']:<32} {r['ms']:8.2f} ms {r['TFLOPs']:6.0f} TF/s"
               f" rel {r.get('rel_diff_vs_first', 0):.1e}")  # fmt: skip
+    for r in REPORT.get("decode_config", []):
+        print(f"  decode config ctx={r['ctx']} B={r['B']} {r['mode']:<6} bn={r['block_n']:<4} stages={r['num_stages']}"
+              f" warps={r['num_warps']} graph {r['graph']['ms']:.4f} ms rel {r['rel_diff_vs_first']:.1e}")  # fmt: skip
     for r in REPORT.get("decode_order", []):
         print(f"  decode order ctx={r['ctx']} B={r['B']} {r['mode']:<6} heavy_first={r['heavy_first']!s:<5}"
               f" ns={r['num_splits']:<4} eager {r['eager']['ms']:.3f} graph {r['graph']['ms']:.4f} ms"
@@ -938,6 +971,7 @@ def main() -> int:
     else:
         section("decode 512", lambda: decode_section(512, (2,)), 1)
     section("decode order", decode_order_section, 15)
+    section("decode config", decode_config_section, 20)
     section("router", router_section, 8)
     if not ARGS.quick and not dry:
         section("prefill S=8192 d=128", lambda: prefill_section(8192, 128, shares), 12)
