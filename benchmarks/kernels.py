@@ -806,8 +806,9 @@ def decode_config_section() -> None:
     d = 128
     dflt = default_decode_config(d)
     cfgs = [(dflt["block_n"], dflt["num_stages"], dflt["num_warps"])]
-    cfgs += [c for c in ((64, 4, 4), (64, 2, 4), (32, 4, 4), (128, 2, 4), (128, 3, 8), (64, 3, 8)) if c != cfgs[0]]
-    shapes = ((32768, 16), (131072, 4)) if DEV.type == "cuda" else ((512, 2),)
+    cfgs += [c for c in ((64, 2, 4), (128, 2, 4), (64, 3, 4), (64, 1, 4), (128, 1, 4), (32, 2, 4), (32, 3, 4),
+                         (128, 2, 8)) if c != cfgs[0]]  # fmt: skip
+    shapes = ((32768, 16), (131072, 4), (131072, 16), (32768, 64)) if DEV.type == "cuda" else ((512, 2),)
     for ctx, B in shapes:
         kv, bt, q, sl, out = decode_inputs(ctx, B, d)
         for mode, share in (("dense", 0.0), ("sparse", 0.75)):
