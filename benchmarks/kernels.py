@@ -722,13 +722,13 @@ def decode_splits_section() -> None:
     """Split count of the e2e decode shapes (32K x 16, 128K x 4): the default aims at ~8 programs per
     SM over all (request, KV head) pairs, but with 75% SSA heads the work sits in the FA heads' 25%
     of the programs; more splits spread it (SSA heads use only the splits their few tiles need)."""
-    from elastic_vllm.csrc.decode import decode_attention, decode_num_splits
+    from elastic_vllm.csrc.decode import decode_attention, decode_num_splits, default_decode_config
 
     rows = REPORT.setdefault("decode_splits", [])
     d = 128
     for ctx, B in ((32768, 16), (131072, 4)):
         kv, bt, q, sl, out = decode_inputs(ctx, B, d)
-        base = decode_num_splits(B, HKV, ctx, 64, DEV)
+        base = decode_num_splits(B, HKV, ctx, default_decode_config(d)["block_n"], DEV)
         ref_out = {}
         for mode, share in (("dense", 0.0), ("sparse", 0.75)):
             hm = head_modes(share).expand(B, HKV).contiguous()
@@ -769,14 +769,14 @@ def decode_order_section() -> None:
     """Launch order of the decode grid (``heavy_first``): the FA heads' programs first, the short SSA
     programs after them, against the plain order (the last requests' FA programs start last), at the
     e2e decode shapes and 128K x 16, timed eagerly and replayed from a CUDA graph; x2 splits too."""
-    from elastic_vllm.csrc.decode import decode_attention, decode_num_splits
+    from elastic_vllm.csrc.decode import decode_attention, decode_num_splits, default_decode_config
 
     rows = REPORT.setdefault("decode_order", [])
     d = 128
     shapes = ((32768, 16), (131072, 4), (131072, 16)) if DEV.type == "cuda" else ((512, 2),)
     for ctx, B in shapes:
         kv, bt, q, sl, out = decode_inputs(ctx, B, d)
-        base = decode_num_splits(B, HKV, ctx, 64, DEV)
+        base = decode_num_splits(B, HKV, ctx, default_decode_config(d)["block_n"], DEV)
         for mode, share in (("dense", 0.0), ("sparse", 0.75)):
             hm = head_modes(share).expand(B, HKV).contiguous()
             first = None
