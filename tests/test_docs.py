@@ -203,6 +203,27 @@ def results_rows() -> list[str]:
         f"dense 128K x 4 {dc[(131072, 4, 'dense')]['speedup']:.2f}x, 32K x 16 {dc[(32768, 16, 'dense')]['speedup']:.2f}x "
         f"| {_link('benchmarks/results/e2e-vllm-h200-llama.json')} |"
     )
+    e = json.loads((RESULTS / "e2e-vllm-h200-llama-decode.json").read_text())
+    dc = {(r["ctx"], r["batch"], r["decode_mode"]): r for r in e["summary"]["decode_speedup"]}
+    rows.append(
+        f"| `vllm` decode step rerun, 128-key decode tiles (Llama-3.1-8B shape, CUDA graphs) | {e['env']['gpu']}, "
+        f"vLLM {e['env']['vllm']}, commit {e['git_commit']} | Omega_MSR 0.75, sparse: 32K x 16 "
+        f"{dc[(32768, 16, 'sparse')]['ms_per_step']:.2f} ms vs {dc[(32768, 16, 'sparse')]['flash_attn_ms']:.2f} ms "
+        f"FLASH_ATTN ({dc[(32768, 16, 'sparse')]['speedup']:.2f}x), 128K x 4 {dc[(131072, 4, 'sparse')]['speedup']:.2f}x; "
+        f"dense 32K x 16 {dc[(32768, 16, 'dense')]['speedup']:.2f}x, 128K x 4 {dc[(131072, 4, 'dense')]['speedup']:.2f}x "
+        f"| {_link('benchmarks/results/e2e-vllm-h200-llama-decode.json')} |"
+    )
+    b = json.loads((RESULTS / "ttft-bound-h200-llama.json").read_text())
+    b32 = next(r for r in b["rows"] if r["len"] == 32768)
+    rows.append(
+        f"| What the 32K TTFT target asks of attention (from the profiled rows of e2e-vllm-h200-llama.json) | "
+        f"{b['gpu']} | at Omega_MSR 0.75 the rest of the prefill takes {b32['elastic_other_gpu_s']:.3f} s of GPU "
+        f"time + {b32['elastic_host_only_s']:.3f} s host; {b32['target_speedup']:.1f}x over FLASH_ATTN leaves "
+        f"{b32['attention_budget_s'] * 1e3:.0f} ms for attention, {b32['needed_TFLOPs']:.0f} TFLOP/s on the hybrid's "
+        f"FLOPs = {b32['needed_vs_fa3_rate']:.2f}x FA3's own {b32['fa3_dense_TFLOPs_in_vllm']:.0f} TFLOP/s in the same "
+        f"engine; a hybrid at FA3's rate would give {b32['speedup_at_fa3_rate']:.2f}x; ours ran at "
+        f"{b32['elastic_attention_TFLOPs']:.0f} | {_link('benchmarks/results/ttft-bound-h200-llama.json')} |"
+    )
     e = json.loads((RESULTS / "e2e-vllm-h200-demo.json").read_text())
     tt = {(r["len"], r["variant"]): r for r in e["summary"]["ttft_speedup"]}
     L = max(r["len"] for r in e["summary"]["ttft_speedup"])
