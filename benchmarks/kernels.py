@@ -874,14 +874,6 @@ def router_section() -> None:
                 with torch.cuda.graph(g0):
                     route_all_layers(plain, kc, bts, req, plen, req)
                 row["graph_no_pdl"] = timeit(g0.replay)
-                # launch 2 dependent, launch 1 ordinary (the previous default)
-                l2 = Router(w, table, inv_freq=inv, num_kv_heads=HKV, head_dim=d, block_size=BS, pdl_task=False)
-                route_all_layers(l2, kc, bts, req, plen, req)
-                torch.cuda.synchronize()
-                g2 = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g2):
-                    route_all_layers(l2, kc, bts, req, plen, req)
-                row["graph_launch2_pdl_only"] = timeit(g2.replay)
             # each kernel alone (a graph of its 32 launches), to place the time
             for name, kern in (("task", _route_task_kernel), ("router", _route_router_kernel)):
                 row[f"{name}_kernel"] = kernel_resources(kern)
@@ -926,7 +918,6 @@ def summary() -> None:
     for r in REPORT.get("router", []):
         g = r.get("graph", {}).get("ms")
         print(f"  router prompt={r['prompt']} R={r['requests']} eager {r['eager']['ms']:.3f} ms graph {g} ms"
-              f" launch-2-only-pdl {r.get('graph_launch2_pdl_only', {}).get('ms')} ms"
               f" task-only {r.get('graph_task_only_us_per_layer')} us/layer router-only"
               f" {r.get('graph_router_only_us_per_layer')} us/layer")  # fmt: skip
     print(f"  ours config {REPORT.get('ours_config')}; skipped {REPORT.get('skipped')}; errors {REPORT.get('errors')}")

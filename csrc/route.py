@@ -152,17 +152,6 @@ def _route_pool_kernel(
         tl.store(p_o + ROT + o_p, xp, mask=o_p < D - ROT)
 
 
-@triton.jit
-def _task_weights(p_w, p_w1, o_i, m_i, o_j, o_d, m_d, HALF: tl.constexpr, D: tl.constexpr, HID: tl.constexpr):
-    """W1 rows of this program's hidden units (both rotary halves), b1, and W2's columns as [CH, BD]."""
-    w1a = tl.load(p_w1 + o_i[None, :], mask=m_i[None, :], other=0.0)  # [CH, BHALF]
-    w1b = tl.load(p_w1 + HALF + o_i[None, :], mask=m_i[None, :], other=0.0)
-    b1 = tl.load(p_w + HID * D + o_j)
-    # W2 [D, HID]: element (d, j) at d * HID + j, read as [CH, BD] (j contiguous)
-    w2 = tl.load(p_w + HID * D + HID + o_d[None, :] * HID + o_j[:, None], mask=m_d[None, :], other=0.0)
-    return w1a, w1b, b1, w2
-
-
 @triton.jit(do_not_specialize=["layer", "pool_tokens"])
 def _route_task_kernel(
     key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f, norm,
@@ -170,20 +159,18 @@ def _route_task_kernel(
     HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, HID: tl.constexpr,
     NS1: tl.constexpr, FUSED_POOL: tl.constexpr, NPOOL: tl.constexpr, HAS_NORM: tl.constexpr,
-    NT_POOL: tl.constexpr, USE_PDL: tl.constexpr, WAIT_PREV: tl.constexpr,
+    NT_POOL: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Launch 1: pool head h (or sum the pooling launch's partials), Task MLP hidden slice s.
-    USE_PDL: lets launch 2 start (and load its weights) as soon as every program here has started.
-    WAIT_PREV: launched itself as a programmatic dependent of whatever kernel ran before (the cache
-    write in vLLM, the previous layer's launch 2 in a graph of layers): the static weights are loaded
-    first, then ``griddepcontrol.wait``, and only then anything another kernel may have written
-    (prompt lengths, block table, keys)."""
+    USE_PDL: lets launch 2 start (and load its weights) as soon as every program here has started."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_r = tl.program_id(2)
     CH: tl.constexpr = HID // NS1
+    n_len = tl.load(prompt_lens + i_r)
+    n_pool = tl.minimum(n_len, 2 * pool_tokens)
     o_i = tl.arange(0, BLOCK_HALF)
     m_i = o_i < HALF
     o_p = tl.arange(0, BLOCK_P)
@@ -191,13 +178,6 @@ def _route_task_kernel(
     o_j = i_s * CH + tl.arange(0, CH)  # [CH] this program's hidden units
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    p_w = weights + layer.to(tl.int64) * s_w
-    p_w1 = p_w + o_j[:, None] * D  # W1 [HID, D] rows
-    if WAIT_PREV:
-        w1a, w1b, b1, w2 = _task_weights(p_w, p_w1, o_i, m_i, o_j, o_d, m_d, HALF, D, HID)
-        tl.extra.cuda.gdc_wait()  # the previous kernel complete, its writes visible
-    n_len = tl.load(prompt_lens + i_r)
-    n_pool = tl.minimum(n_len, 2 * pool_tokens)
     if FUSED_POOL:
         p_bt = block_table + tl.load(req_rows + i_r).to(tl.int64) * s_bt
         x1, x2, xp = _pool_sums(
@@ -213,8 +193,14 @@ def _route_task_kernel(
             xp = tl.sum(tl.load(p_x + ROT + o_p[None, :], mask=m_p[None, :], other=0.0), 0)
         else:
             xp = tl.zeros([BLOCK_P], dtype=tl.float32)
-    if not WAIT_PREV:  # weights after the pool's loads (source order): see the note in _pool_sums
-        w1a, w1b, b1, w2 = _task_weights(p_w, p_w1, o_i, m_i, o_j, o_d, m_d, HALF, D, HID)
+    # weights after the pool's loads (source order): see the note in _pool_sums
+    p_w = weights + layer.to(tl.int64) * s_w
+    p_w1 = p_w + o_j[:, None] * D  # W1 [HID, D] rows
+    w1a = tl.load(p_w1 + o_i[None, :], mask=m_i[None, :], other=0.0)  # [CH, BHALF]
+    w1b = tl.load(p_w1 + HALF + o_i[None, :], mask=m_i[None, :], other=0.0)
+    b1 = tl.load(p_w + HID * D + o_j)
+    # W2 [D, HID]: element (d, j) at d * HID + j, read as [CH, BD] (j contiguous)
+    w2 = tl.load(p_w + HID * D + HID + o_d[None, :] * HID + o_j[:, None], mask=m_d[None, :], other=0.0)
     inv_n = 1.0 / n_pool.to(tl.float32)
     x1 = x1 * (inv_n / attention_scaling)
     x2 = x2 * (inv_n / attention_scaling)
@@ -401,10 +387,7 @@ class Router:
     for long pools) with no validation, allocation or host sync. ``route()`` is the checked
     one-shot equivalent. ``num_chunks`` overrides the hidden slices per MLP pair (NS1 = NS2).
     ``pdl``: launch 2 as a programmatic dependent launch of launch 1 (default: on sm_90+ CUDA; True on
-    any other device is a ValueError). ``pdl_task`` (default: as ``pdl``): launch 1 as a dependent of
-    the kernel before it, its weights loaded before ``griddepcontrol.wait`` and the key cache, block
-    table and prompt lengths read after it (boundary pooling only; the long-pool path keeps an
-    ordinary pooling launch first).
+    any other device is a ValueError); launch 1 is an ordinary launch, it reads the key cache.
     """
 
     def __init__(
@@ -424,7 +407,6 @@ class Router:
         num_chunks: int | None = None,
         norm: torch.Tensor | None = None,
         pdl: bool | None = None,
-        pdl_task: bool | None = None,
     ):
         dev = weights.device
         d, hkv = head_dim, num_kv_heads
@@ -443,8 +425,6 @@ class Router:
                 raise ValueError("norm: must be contiguous (use pack_router_norm)")
         self.norm = norm
         self.pdl = resolve_pdl(pdl, dev)
-        # launch 1 as a dependent of the kernel before it (weights loaded before its wait): default with pdl
-        self.pdl_task = self.pdl if pdl_task is None else resolve_pdl(pdl_task, dev)
         rot = 2 * inv_freq.shape[0]
         if rot == 0 or rot > d:
             raise ValueError(f"inv_freq: rotary_dim {rot} must be in (0, head_dim {d}]")
@@ -472,10 +452,7 @@ class Router:
             self.pool_meta, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1,
             FUSED_POOL=self.fused_pool, NPOOL=POOL_PROGRAMS, HAS_NORM=norm is not None, num_warps=8,
             NT_POOL=triton.cdiv(2 * n, 32) if self.fused_pool else 1, USE_PDL=self.pdl,
-            WAIT_PREV=self.pdl_task and self.fused_pool,
         )  # fmt: skip
-        if self.task_meta["WAIT_PREV"]:
-            self.task_meta["launch_pdl"] = True
         self.router_meta = dict(HKV=hkv, D=d, BLOCK_D=max(16, next_pow2(d)), HID=hidden, NS1=self.ns1, NS2=self.ns2,
                                 USE_PDL=self.pdl, num_warps=4)  # fmt: skip
         if self.pdl:
