@@ -58,6 +58,23 @@ def test_gpu_plan_priorities_fit_the_budget(e2e):
     assert max(t["prio"] for _, t in slow) <= max(t["prio"] for _, t in ran)
 
 
+def test_model_configs_cover_the_planned_lengths(e2e, tmp_path):
+    """Every GPU job's config admits its max_model_len the way vLLM derives the limit: max_position_embeddings,
+    and for YaRN factor x original length (Qwen3-8B's 131072 refused the 128K prompt + MARGIN on the H200)."""
+    for job in e2e.gpu_plan():
+        if job["model"] not in e2e.SHAPES:
+            continue
+        d = e2e.write_model_dir({"model": job["model"], "dry": False, "max_model_len": job["max_model_len"]}, tmp_path)
+        cfg = json.loads((d / "config.json").read_text())
+        assert cfg["max_position_embeddings"] >= job["max_model_len"], job["name"]
+        rs = cfg.get("rope_scaling") or {}
+        if rs.get("rope_type") == "yarn":
+            assert rs["factor"] * rs["original_max_position_embeddings"] >= job["max_model_len"], job["name"]
+            assert rs["factor"] < 4.1  # only the margin is added
+    q = e2e.write_model_dir({"model": "qwen3-8b", "dry": False, "max_model_len": 8192}, tmp_path)
+    assert json.loads((q / "config.json").read_text())["rope_scaling"]["factor"] == 4.0  # untouched when it fits
+
+
 def test_estimates_follow_the_anchors(e2e):
     est = e2e.est_ttft
     assert est("llama-3.1-8b", "FLASH_ATTN", 8192, None, False) == pytest.approx(0.213, rel=0.05)
