@@ -718,38 +718,6 @@ def decode_batch(ctx: int, B: int) -> None:
     del kv
 
 
-def decode_splits_section() -> None:
-    """Split count of the e2e decode shapes (32K x 16, 128K x 4): the default aims at ~8 programs per
-    SM over all (request, KV head) pairs, but with 75% SSA heads the work sits in the FA heads' 25%
-    of the programs; more splits spread it (SSA heads use only the splits their few tiles need)."""
-    from elastic_vllm.csrc.decode import decode_attention, decode_num_splits, default_decode_config
-
-    rows = REPORT.setdefault("decode_splits", [])
-    d = 128
-    for ctx, B in ((32768, 16), (131072, 4)):
-        kv, bt, q, sl, out = decode_inputs(ctx, B, d)
-        base = decode_num_splits(B, HKV, ctx, default_decode_config(d)["block_n"], DEV)
-        ref_out = {}
-        for mode, share in (("dense", 0.0), ("sparse", 0.75)):
-            hm = head_modes(share).expand(B, HKV).contiguous()
-            for mult in (0.25, 0.5, 1, 2):
-                ns = max(1, round(base * mult))
-                fn = functools.partial(
-                    decode_attention, q, kv[:, 0], kv[:, 1], bt, sl, hm, sink=SINK, window=WINDOW, max_seq_len=ctx,
-                    out=out, num_splits=ns,
-                )  # fmt: skip
-                o = fn().float()
-                if mode not in ref_out:
-                    ref_out[mode] = o.clone()
-                rel = float((o - ref_out[mode]).norm() / ref_out[mode].norm())
-                r = timeit(fn)
-                rows.append({"ctx": ctx, "B": B, "mode": mode, "num_splits": ns, "default_splits": base, **r,
-                             "rel_diff_vs_default": rel})  # fmt: skip
-                log(rows[-1])
-        del kv
-        save()
-
-
 def graph_time(fn, calls: int = 10) -> dict:
     """ms per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (what vLLM's decode step
     runs: no launch overhead), next to ``timeit`` (eager, one call per L2 flush)."""
@@ -765,67 +733,85 @@ def graph_time(fn, calls: int = 10) -> dict:
     return {k: v / calls for k, v in r.items()}
 
 
-def decode_order_section() -> None:
-    """Launch order of the decode grid (``heavy_first``): the FA heads' programs first, the short SSA
-    programs after them, against the plain order (the last requests' FA programs start last), at the
-    e2e decode shapes and 128K x 16, timed eagerly and replayed from a CUDA graph; x2 splits too."""
-    from elastic_vllm.csrc.decode import decode_attention, decode_num_splits, default_decode_config
+def decode_sweep(key: str, shapes, variants, timing: str) -> None:
+    """Rows ``REPORT[key]``: for each (ctx, B) of ``shapes`` and each of dense / 75% SSA heads, the decode
+    kernel with each kwargs dict of ``variants(ctx, B)`` (the first is the reference of ``rel_diff_vs_first``),
+    timed eagerly (``timing`` "eager": ms at the row's top level), from a CUDA graph ("graph") or both."""
+    from elastic_vllm.csrc.decode import decode_attention
 
-    rows = REPORT.setdefault("decode_order", [])
-    d = 128
-    shapes = ((32768, 16), (131072, 4), (131072, 16)) if DEV.type == "cuda" else ((512, 2),)
+    rows = REPORT.setdefault(key, [])
     for ctx, B in shapes:
-        kv, bt, q, sl, out = decode_inputs(ctx, B, d)
-        base = decode_num_splits(B, HKV, ctx, default_decode_config(d)["block_n"], DEV)
+        kv, bt, q, sl, out = decode_inputs(ctx, B, 128)
         for mode, share in (("dense", 0.0), ("sparse", 0.75)):
             hm = head_modes(share).expand(B, HKV).contiguous()
             first = None
-            for hf, mult in ((False, 1), (True, 1), (True, 2)):
-                ns = max(1, base * mult)
+            for kw in variants(ctx, B):
                 fn = functools.partial(
                     decode_attention, q, kv[:, 0], kv[:, 1], bt, sl, hm, sink=SINK, window=WINDOW, max_seq_len=ctx,
-                    out=out, num_splits=ns, heavy_first=hf,
+                    out=out, **kw,
                 )  # fmt: skip
                 o = fn().float()
                 first = o.clone() if first is None else first
-                rel = float((o - first).norm() / first.norm())
-                row = {"ctx": ctx, "B": B, "mode": mode, "heavy_first": hf, "num_splits": ns, "eager": timeit(fn),
-                       "graph": graph_time(fn), "rel_diff_vs_first": rel}  # fmt: skip
+                row = {
+                    "ctx": ctx,
+                    "B": B,
+                    "mode": mode,
+                    **kw,
+                    "rel_diff_vs_first": float((o - first).norm() / first.norm()),
+                }
+                if timing == "eager":
+                    row.update(timeit(fn))
+                else:
+                    row.update(
+                        {"graph": graph_time(fn)}
+                        if timing == "graph"
+                        else {"eager": timeit(fn), "graph": graph_time(fn)}
+                    )
                 rows.append(row)
                 log(row)
         del kv
         save()
 
 
+def _default_splits(ctx: int, B: int) -> int:
+    from elastic_vllm.csrc.decode import decode_num_splits, default_decode_config
+
+    return decode_num_splits(B, HKV, ctx, default_decode_config(128)["block_n"], DEV)
+
+
+def decode_splits_section() -> None:
+    """Split count of the e2e decode shapes (32K x 16, 128K x 4): the default aims at ~32 programs per
+    SM over all (request, KV head) pairs; with 75% SSA heads the work sits in the FA heads' 25% of the
+    programs, and more splits spread it (SSA heads use only the splits their few tiles need)."""
+    mults = (0.25, 0.5, 1, 2)
+    decode_sweep("decode_splits", ((32768, 16), (131072, 4)),
+                 lambda ctx, B: [{"num_splits": max(1, round(_default_splits(ctx, B) * m))} for m in mults], "eager")  # fmt: skip
+
+
+def decode_order_section() -> None:
+    """Launch order of the decode grid (``heavy_first``): the FA heads' programs first, the short SSA
+    programs after them, against the plain order (the last requests' FA programs start last), at the
+    e2e decode shapes and 128K x 16, timed eagerly and replayed from a CUDA graph; x2 splits too."""
+    shapes = ((32768, 16), (131072, 4), (131072, 16)) if DEV.type == "cuda" else ((512, 2),)
+    decode_sweep("decode_order", shapes, lambda ctx, B: [
+        {"heavy_first": hf, "num_splits": _default_splits(ctx, B) * m} for hf, m in ((False, 1), (True, 1), (True, 2))
+    ], "both")  # fmt: skip
+
+
 def decode_config_section() -> None:
     """Tile configs of the decode kernel (block_n, num_stages, num_warps) at the e2e decode shapes, replayed
     from a CUDA graph as vLLM's decode step runs it; the first row of each shape is the default config."""
-    from elastic_vllm.csrc.decode import decode_attention, default_decode_config
+    from elastic_vllm.csrc.decode import default_decode_config
 
-    rows = REPORT.setdefault("decode_config", [])
-    d = 128
-    dflt = default_decode_config(d)
+    dflt = default_decode_config(128)
     cfgs = [(dflt["block_n"], dflt["num_stages"], dflt["num_warps"])]
     cfgs += [c for c in ((64, 2, 4), (128, 2, 4), (64, 3, 4), (64, 1, 4), (128, 1, 4), (32, 2, 4), (32, 3, 4),
                          (128, 2, 8)) if c != cfgs[0]]  # fmt: skip
+    cfgs = cfgs if DEV.type == "cuda" else cfgs[:2]
     shapes = ((32768, 16), (131072, 4), (131072, 16), (32768, 64)) if DEV.type == "cuda" else ((512, 2),)
-    for ctx, B in shapes:
-        kv, bt, q, sl, out = decode_inputs(ctx, B, d)
-        for mode, share in (("dense", 0.0), ("sparse", 0.75)):
-            hm = head_modes(share).expand(B, HKV).contiguous()
-            first = None
-            for bn, st, nw in cfgs if DEV.type == "cuda" else cfgs[:2]:
-                fn = functools.partial(
-                    decode_attention, q, kv[:, 0], kv[:, 1], bt, sl, hm, sink=SINK, window=WINDOW, max_seq_len=ctx,
-                    out=out, block_n=bn, num_stages=st, num_warps=nw,
-                )  # fmt: skip
-                o = fn().float()
-                first = o.clone() if first is None else first
-                rows.append({"ctx": ctx, "B": B, "mode": mode, "block_n": bn, "num_stages": st, "num_warps": nw,
-                             "graph": graph_time(fn), "rel_diff_vs_first": float((o - first).norm() / first.norm())})  # fmt: skip
-                log(rows[-1])
-        del kv
-        save()
+    decode_sweep("decode_config", shapes, lambda ctx, B: [
+        {"block_n": bn, "num_stages": st, "num_warps": nw} for bn, st, nw in cfgs
+    ], "graph")  # fmt: skip
 
 
 def route_all_layers(router, kc, bts, rows, plen, slots, stages=("task", "router")) -> None:

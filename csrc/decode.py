@@ -232,8 +232,8 @@ HEAVY_FIRST_MAX_PAIRS = 2048  # every program scans all pairs: a bound on that v
 def default_decode_config(head_dim: int) -> dict:
     if interpret():
         return {"block_n": 32, "num_warps": 4, "num_stages": 1}
-    # 128-key tiles, 2 stages (64 KB of K/V buffers): on the H200 from a CUDA graph, 2-8% faster than the former
-    # 64 / 3 stages at every decode shape swept, sparse and dense (kernels.py section ``decode config``:
+    # 128-key tiles, 2 stages: on the H200 from a CUDA graph, 2-8% faster than the former 64 keys / 3 stages at
+    # every decode shape swept, sparse and dense (kernels.py section ``decode config``, dev/kernels-14:
     # 32K x 16 sparse 0.1777 -> 0.1740 ms, 128K x 4 sparse 0.1548 -> 0.1450, dense 0.526 -> 0.503)
     return {"block_n": 128, "num_warps": 4, "num_stages": 2}
 
@@ -270,7 +270,7 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool | None = None,
-    heavy_first: bool | None = None,
+    heavy_first: bool = False,
 ) -> torch.Tensor:
     """Decode attention: one query per request, per-(request, KV head) FA or SSA, split-KV.
 
@@ -287,8 +287,8 @@ def decode_attention(
             overlaps the splits' tail; default: on sm_90+ CUDA; True elsewhere is a ValueError).
         heavy_first: launch order with the programs of the FA/XA (request, head) pairs first and the
             short SSA ones after them (``_heavy_first_program``; at most ``HEAVY_FIRST_MAX_PAIRS``
-            pairs). Default off: on the H200 (CUDA-graph replay) it gained 3.6% at 128K x 16 with 75%
-            SSA heads and lost 1% at the e2e shapes (kernels.py section ``decode order``).
+            pairs). Off by default: on the H200 (CUDA-graph replay, 64-key tiles) it gained 3.6% at
+            128K x 16 with 75% SSA heads and lost ~1% at the e2e shapes (kernels.py ``decode order``).
 
     Returns:
         out [B, Hq, D] in q's dtype. No host synchronisation; CUDA-graph capturable.
@@ -346,7 +346,6 @@ def decode_attention(
         o_part = lse_part = out
     hm_slots = head_mode_slots if head_mode_slots is not None else seq_lens
     n_pairs = B * hkv
-    heavy_first = bool(heavy_first)
     if heavy_first and n_pairs > HEAVY_FIRST_MAX_PAIRS:
         raise ValueError(f"heavy_first: at most {HEAVY_FIRST_MAX_PAIRS} (request, KV head) pairs, got {n_pairs}")
     block_d = max(next_pow2(d), 16)
@@ -360,7 +359,7 @@ def decode_attention(
         G=g, BLOCK_H=max(16, next_pow2(g)), BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=block_d,
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, SPLIT=split,
         DOT_PREC=dot_precision(q.dtype), USE_PDL=split and use_pdl,
-        HEAVY_FIRST=bool(heavy_first), BLOCK_P=max(16, next_pow2(n_pairs)) if heavy_first else 16,
+        HEAVY_FIRST=heavy_first, BLOCK_P=max(16, next_pow2(n_pairs)) if heavy_first else 16,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
     if split:
