@@ -194,29 +194,18 @@ def attn_tile(acc, l_i, m_i, b_q, k_src, v_src, blk, k0, q_pos, seq_len, eff_sin
 
 
 @triton.jit
-def run_tile(v, n0, n01, b0, b1, b2, THREE: tl.constexpr):
-    """Key tile of step v of a loop over runs of tiles: [b0, b0 + n0), then [b1, b1 + n01 - n0), then (THREE)
-    b2 onwards (scalar arithmetic)."""
-    if THREE:
-        return tl.where(v < n0, b0 + v, tl.where(v < n01, b1 + v - n0, b2 + v - n01))
-    else:
-        return tl.where(v < n0, b0 + v, b1 + v - n0)
-
-
-@triton.jit
-def kv_loop(acc, l_i, m_i, b_q, k_src, v_src, p_bt, n_all, n0, n01, b0, b1, b2, q_pos, seq_len, eff_sink,
+def kv_loop(acc, l_i, m_i, b_q, k_src, v_src, p_bt, v_lo, v_hi, s_hi, w_lo, q_pos, seq_len, eff_sink,
             eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
             BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
             DOT_PREC: tl.constexpr):  # fmt: skip
-    """n_all visible tiles in one pipelined loop, step v at key tile ``run_tile(v, n0, n01, b0, b1, b2)``
-    (up to three runs, e.g. sink tiles, window edge, diagonal: one loop, so one pipeline prologue, for all
-    of them); the block ids of step v+1 are loaded during step v (see module docstring)."""
-    i_n = run_tile(0, n0, n01, b0, b1, b2, MASKED)
+    """Visible tiles v_lo..v_hi-1, tile v at key tile (v < s_hi ? v : w_lo + v - s_hi) (sink tiles,
+    then window tiles); the block ids of tile v+1 are loaded during tile v (see module docstring)."""
+    i_n = tl.where(v_lo < s_hi, v_lo, w_lo + v_lo - s_hi)
     blk = tile_blocks(p_bt, i_n * BLOCK_N, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
-    for i_v in range(0, n_all):
-        i_n = run_tile(i_v, n0, n01, b0, b1, b2, MASKED)
-        i_nx = run_tile(i_v + 1, n0, n01, b0, b1, b2, MASKED)
+    for i_v in range(v_lo, v_hi):
+        i_n = tl.where(i_v < s_hi, i_v, w_lo + i_v - s_hi)
+        i_nx = tl.where(i_v + 1 < s_hi, i_v + 1, w_lo + i_v + 1 - s_hi)
         blk_cur = blk
         blk = tile_blocks(p_bt, i_nx * BLOCK_N, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
         acc, l_i, m_i = attn_tile(

@@ -84,45 +84,41 @@ def _window_loops(
     USE_TMA: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """FA and SSA: sink tiles + window tiles for queries at positions q_lo..q_hi, in two loops: every tile
-    visible to all rows unmasked (full sink tiles, then the window's interior), then the masked ones (a
-    partial sink tile, the window's leading edge, the diagonal). Two pipeline prologues per program, not
-    three: an SSA program has only ~19 tiles, so each loop start is a visible share of its time."""
+    """FA and SSA: sink tiles + window tiles for queries at positions q_lo..q_hi."""
     # sink tiles [0, s_hi); window tiles [w_lo, w_hi), never revisiting a sink tile
     s_hi = tl.cdiv(tl.minimum(eff_sink, q_hi + 1), BLOCK_N)
     w_lo = tl.maximum(s_hi, tl.maximum(q_lo - eff_window + 1, 0) // BLOCK_N)
     w_hi = tl.cdiv(q_hi + 1, BLOCK_N)
-    # sink tiles visible to every row: all keys < sink and <= q_lo
-    s_full = tl.minimum(tl.minimum(eff_sink // BLOCK_N, (q_lo + 1) // BLOCK_N), s_hi)
     # window tiles visible to every row (k0 >= q_hi - window + 1 and k0 + BLOCK_N - 1 <= q_lo): no mask
     f_lo = tl.cdiv(tl.maximum(q_hi - eff_window + 1, 0), BLOCK_N)
     f_hi = (q_lo + 1) // BLOCK_N
     u_lo = tl.minimum(tl.maximum(f_lo, w_lo), w_hi)
     u_hi = tl.maximum(tl.minimum(f_hi, w_hi), u_lo)
-    # 1) masked: a partial sink tile [s_full, s_hi), the window's leading edge [w_lo, u_lo), the diagonal
-    #    tiles [u_hi, w_hi)
-    n0 = s_hi - s_full
-    n01 = n0 + (u_lo - w_lo)
-    acc, l_i, m_i = kv_loop(
-        acc, l_i, m_i, b_q, p_k, p_v, p_bt, n01 + (w_hi - u_hi), n0, n01, s_full, w_lo, u_hi, q_pos, seq_len,
-        eff_sink, eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
-    )  # fmt: skip
-    n_u = s_full + (u_hi - u_lo)
-    # 2) unmasked: full sink tiles [0, s_full), then the interior [u_lo, u_hi) (the bulk of an FA head's
-    #    work); the only loop that may use TMA
+    # 2) unmasked interior (the bulk of an FA head's work): the only loop that may use TMA
     if USE_TMA:
         acc, l_i, m_i = kv_loop(
-            acc, l_i, m_i, b_q, k_desc, v_desc, p_bt, n_u, s_full, n_u, 0, u_lo, u_hi, q_pos, seq_len, eff_sink,
-            eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+            acc, l_i, m_i, b_q, k_desc, v_desc, p_bt, u_lo, u_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
             BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, True, DOT_PREC,
         )  # fmt: skip
     else:
         acc, l_i, m_i = kv_loop(
-            acc, l_i, m_i, b_q, p_k, p_v, p_bt, n_u, s_full, n_u, 0, u_lo, u_hi, q_pos, seq_len, eff_sink,
-            eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+            acc, l_i, m_i, b_q, p_k, p_v, p_bt, u_lo, u_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
             BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, False, DOT_PREC,
         )  # fmt: skip
+    # 1) masked: sink tiles, then the window's leading edge [w_lo, u_lo)
+    acc, l_i, m_i = kv_loop(
+        acc, l_i, m_i, b_q, p_k, p_v, p_bt, 0, s_hi + (u_lo - w_lo), s_hi, w_lo, q_pos, seq_len, eff_sink,
+        eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
+    )  # fmt: skip
+    # 3) masked: the diagonal tiles
+    acc, l_i, m_i = kv_loop(
+        acc, l_i, m_i, b_q, p_k, p_v, p_bt, u_hi, w_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
+        s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
+    )  # fmt: skip
     return acc, l_i, m_i
 
 

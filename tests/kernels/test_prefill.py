@@ -54,9 +54,6 @@ CASES = {
     "window_covers_all": ([45], [45], 4, 2, 16, 16, 0, 1000, (FA, SSA), (32, 16)),
     "sink_covers_all": ([45], [45], 4, 2, 16, 16, 1000, 3, (FA, SSA), (32, 16)),
     "all_fa": ([60, 9], [60, 9], 4, 2, 16, 16, 4, 8, (FA,), (32, 16)),
-    # sink a multiple of block_n: whole sink tiles run in the unmasked loop, the rest in the masked one
-    "full_sink_tiles": ([113, 70], [113, 50], 4, 2, 16, 16, 32, 40, (FA, SSA), (32, 16)),
-    "full_and_partial_sink": ([120], [120], 4, 2, 16, 16, 24, 33, (SSA,), (32, 16)),
     "default_tiles": ([80, 130], [80, 60], 4, 2, 32, 16, 8, 40, (FA, SSA), None),
 }
 
