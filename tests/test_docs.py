@@ -213,6 +213,24 @@ def results_rows() -> list[str]:
         f"dense 32K x 16 {dc[(32768, 16, 'dense')]['speedup']:.2f}x, 128K x 4 {dc[(131072, 4, 'dense')]['speedup']:.2f}x "
         f"| {_link('benchmarks/results/e2e-vllm-h200-llama-decode.json')} |"
     )
+    e = json.loads((RESULTS / "e2e-vllm-h200-qwen3.json").read_text())
+    tt = {(r["len"], r["share"]): r for r in e["summary"]["ttft_speedup"] if r["budget_tokens"] == 16384}
+    rows.append(
+        f"| `vllm` engine end to end, elastic vs FLASH_ATTN (Qwen3-8B shape: q/k norms, YaRN; dummy weights; two runs "
+        f"of one session, merged) | {e['env']['gpu']}, vLLM {e['env']['vllm']}, commit {e['git_commit']} | TTFT at "
+        f"Omega_MSR 0.75: 128K {tt[(131072, 0.75)]['speedup']:.2f}x ({tt[(131072, 0.75)]['median_s']:.2f} s vs "
+        f"{tt[(131072, 0.75)]['flash_attn_s']:.2f} s), 32K {tt[(32768, 0.75)]['speedup']:.2f}x, 8K "
+        f"{tt[(8192, 0.75)]['speedup']:.2f}x; at 0.5: 128K {tt[(131072, 0.5)]['speedup']:.2f}x, 32K "
+        f"{tt[(32768, 0.5)]['speedup']:.2f}x, 8K {tt[(8192, 0.5)]['speedup']:.2f}x "
+        f"| {_link('benchmarks/results/e2e-vllm-h200-qwen3.json')} |"
+    )
+    e = json.loads((RESULTS / "e2e-vllm-h200-llama-256k.json").read_text())
+    r = next(r for r in e["summary"]["ttft_speedup"] if r["len"] == 262144)
+    rows.append(
+        f"| `vllm` TTFT at 256K (Llama-3.1-8B shape, dummy weights, one rep each) | {e['env']['gpu']}, vLLM "
+        f"{e['env']['vllm']}, commit {e['git_commit']} | Omega_MSR 0.75: {r['median_s']:.2f} s vs "
+        f"{r['flash_attn_s']:.2f} s FLASH_ATTN = {r['speedup']:.2f}x | {_link('benchmarks/results/e2e-vllm-h200-llama-256k.json')} |"
+    )
     b = json.loads((RESULTS / "ttft-bound-h200-llama.json").read_text())
     b32 = next(r for r in b["rows"] if r["len"] == 32768)
     rows.append(

@@ -132,6 +132,47 @@ def test_summary_checks_the_targets(e2e):
     assert "TTFT 32K share 0.5" not in t  # targets are for Omega_MSR 0.75
 
 
+def test_merge_joins_runs_of_one_session_and_refuses_mismatches(e2e, tmp_path):
+    """A baseline run and an elastic run (separate device calls) -> one file whose summary pairs them; the
+    Qwen3 rows get the same targets as Llama's, prefixed."""
+    base, full = fake_results(e2e), fake_results(e2e)
+    for d, backend, job in ((base, "FLASH_ATTN", "qwen3-8b-flash"), (full, "elastic", "qwen3-8b-elastic")):
+        d["ttft"] = [dict(r, model="qwen3-8b", job=job) for r in d["ttft"] if (r["backend"] == "FLASH_ATTN") ==
+                     (backend == "FLASH_ATTN")]  # fmt: skip
+        d["decode"], d["jobs"], d["git_commit"] = [], [{"name": job, "status": "done"}], job[-5:]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(base))
+    b.write_text(json.dumps(full))
+    for d in (base, full):  # each alone pairs nothing
+        assert e2e.summarize(d)["ttft_speedup"] == []
+    m = e2e.merge_results([a, b])
+    assert [j["name"] for j in m["jobs"]] == ["qwen3-8b-flash", "qwen3-8b-elastic"]
+    assert len(m["ttft"]) == len(base["ttft"]) + len(full["ttft"])
+    assert [s["file"] for s in m["sources"]] == ["a.json", "b.json"] and m["git_commit"] == "flash,astic"
+    t = {x["what"]: x for x in m["summary"]["targets"]}
+    assert t["qwen3-8b TTFT 128K share 0.75"]["value"] == pytest.approx(10.41 / 7.0, abs=1e-3)
+    assert t["qwen3-8b TTFT 32K share 0.75"]["met"] and "TTFT 32K share 0.75" not in t
+    out = tmp_path / "m.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--merge", str(a), str(b), "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["summary"] == m["summary"]
+    # refused: one file, the same job twice, another vLLM, a CPU-dry run
+    with pytest.raises(ValueError, match="at least two"):
+        e2e.merge_results([a])
+    with pytest.raises(ValueError, match="already in an earlier file"):
+        e2e.merge_results([a, a])
+    b.write_text(json.dumps(dict(full, env={"gpu": "NVIDIA H200", "vllm": "0.27.0"})))
+    with pytest.raises(ValueError, match="environment"):
+        e2e.merge_results([a, b])
+    b.write_text(json.dumps(dict(full, cpu_dry=True)))
+    with pytest.raises(ValueError, match="CPU-dry"):
+        e2e.merge_results([a, b])
+    r = subprocess.run([sys.executable, str(SCRIPT), "--merge", str(a), str(b), "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "CPU-dry" in r.stderr
+
+
 def test_report_writes_markdown_plots_and_readme_section(e2e, tmp_path):
     pytest.importorskip("matplotlib")
     res = tmp_path / "results" / "e2e.json"
