@@ -254,28 +254,33 @@ def results_rows() -> list[str]:
         f"work dominate at this size) | {_link('benchmarks/results/e2e-vllm-h200-demo.json')} |"
     )
     rd = RESULTS / "router-train-smollm2-h200"
-    t = json.loads((rd / "summary.json").read_text())
-    cat, fw = t["omega_msr_by_category"], t["final_window"]
-    rows.append(
-        f"| Shipped SmolLM2 router (router_weights/smollm2-135m-instruct) | {t['device']} | {t['steps']} steps in "
-        f"{t['wall_s']:.0f} s, targets robust {t['targets']['robust']} / sensitive {t['targets']['sensitive']}: "
-        f"Omega_MSR robust {cat['robust']:.3f} / sensitive {cat['sensitive']:.3f} over the last "
-        f"{fw['steps_averaged']} training steps; held out: the RULER row below "
-        f"| {_link('benchmarks/results/router-train-smollm2-h200/train.log')} |"
-    )
-    rd = RESULTS / "dev" / "router-train-5-h200-s015-shipped-before"
     m = json.loads((rd / "measure.json").read_text())
     t = json.loads((rd / "summary.json").read_text())
     cat = m["omega"]["omega_msr_by_category"]
     tg = m["targets"]
     rows.append(
-        f"| dev: SmolLM2 router shipped until stop 18 (sensitive target {t['targets']['sensitive']}) | {m['device']} "
-        f"| {t['steps']} steps in {t['wall_s']:.0f} s: Omega_MSR robust {cat['robust']:.3f} / sensitive "
-        f"{cat['sensitive']:.3f} on held-out prompts ({'met' if tg['robust_minus_sensitive']['met'] else 'not met'}); "
-        f"needle 2K-6K {m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA, drop "
+        f"| Shipped SmolLM2 router (router_weights/smollm2-135m-instruct) | {m['device']} | {t['steps']} steps "
+        f"in {t['wall_s']:.0f} s: Omega_MSR robust {cat['robust']:.3f} / sensitive {cat['sensitive']:.3f} on "
+        f"held-out prompts ({'met' if tg['robust_minus_sensitive']['met'] else 'not met'}); needle 2K-6K "
+        f"{m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA, drop "
         f"{100 * tg['needle_drop_vs_all_fa']['value']:.0f} points "
         f"({'met' if tg['needle_drop_vs_all_fa']['met'] else 'not met'}) "
-        f"| {_link('benchmarks/results/dev/router-train-5-h200-s015-shipped-before/measure.md')} |"
+        f"| {_link('benchmarks/results/router-train-smollm2-h200/measure.md')} |"
+    )
+    rd = RESULTS / "router-train-smollm2-s040-h200"
+    m = json.loads((rd / "measure.json").read_text())
+    t = json.loads((rd / "summary.json").read_text())
+    cat = m["omega"]["omega_msr_by_category"]
+    tg = m["targets"]
+    rows.append(
+        f"| Sparser SmolLM2 router (router_weights/alternatives/smollm2-135m-instruct-s040, sensitive target "
+        f"{t['targets']['sensitive']}) | trained on {t['device']}, checked on {m['device']} | {t['steps']} steps in "
+        f"{t['wall_s']:.0f} s: Omega_MSR robust {cat['robust']:.3f} / sensitive {cat['sensitive']:.3f} on held-out "
+        f"prompts ({'met' if tg['robust_minus_sensitive']['met'] else 'not met'}); needle 2K-6K "
+        f"{m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA, drop "
+        f"{100 * tg['needle_drop_vs_all_fa']['value']:.0f} points "
+        f"({'met' if tg['needle_drop_vs_all_fa']['met'] else 'not met'}; 10 prompts per length) "
+        f"| {_link('benchmarks/results/router-train-smollm2-s040-h200/measure.md')} |"
     )
     rd = RESULTS / "dev" / "router-train-3-h200-v1data"
     m = json.loads((rd / "measure.json").read_text())
@@ -322,22 +327,22 @@ def results_rows() -> list[str]:
     )
     a = json.loads((RESULTS / "accuracy-smollm2-h200" / "results.json").read_text())
     rows.append(
-        "| RULER + robust tasks at 8K, elastic (shipped router) vs dense vs static hybrid (SmolLM2) | "
+        "| RULER + robust tasks at 8K, elastic (router smollm2-135m-instruct-s040) vs dense vs static hybrid (SmolLM2) | "
         f"{a['provenance']['gpu']} | "
         + "; ".join(f"{t['measured']} ({'met' if t['met'] else 'not met'})" for t in a["targets"])
         + f" | {_link('benchmarks/results/accuracy-smollm2-h200/results.md')} |"
     )
-    a = json.loads((RESULTS / "dev" / "accuracy-3-h200-router-s015" / "results.json").read_text())
+    a = json.loads((RESULTS / "accuracy-smollm2-default-router-h200" / "results.json").read_text())
     rows.append(
-        "| dev: RULER + robust tasks at 8K with the router shipped until stop 18 (SmolLM2) | "
+        "| RULER + robust tasks at 8K, elastic (default router smollm2-135m-instruct) vs dense vs static (SmolLM2) | "
         f"{a['provenance']['gpu']} | "
         + "; ".join(f"{t['measured']} ({'met' if t['met'] else 'not met'})" for t in a["targets"])
-        + f" | {_link('benchmarks/results/dev/accuracy-3-h200-router-s015/results.md')} |"
+        + f" | {_link('benchmarks/results/accuracy-smollm2-default-router-h200/results.md')} |"
     )
     a = json.loads((RESULTS / "dev" / "accuracy-4-h200-sparse-allsa" / "results.json").read_text())
     ra = {m: a["table"][m]["8192"]["ruler_avg"] for m in a["table"]}
     rows.append(
-        "| dev: RULER at 8K, shipped router with sparse decode, and all-SA (SmolLM2; cut by its time budget: no "
+        "| dev: RULER at 8K, router s040 with sparse decode, and all-SA (SmolLM2; cut by its time budget: no "
         f"robust tasks for elastic-sparse, no XA modes) | {a['provenance']['gpu']} | RULER average: dense "
         f"{ra['dense']['score']:.1f}, elastic-sparse {ra['elastic-sparse']['score']:.1f} at Omega_MSR "
         f"{ra['elastic-sparse']['omega_msr']:.3f}, all-SA {ra['all-SA']['score']:.1f} "

@@ -140,7 +140,9 @@ def router_search_dirs() -> list[Path]:
 
 def find_shipped_router(shape: BackboneShape, model_name: str) -> Path | None:
     """The shipped router folder whose router.json backbone matches ``shape``; None when there is none.
-    Several matches are disambiguated by the backbone id naming the model, else an error lists them."""
+    Several matches are disambiguated by the backbone id naming the model, else an error lists them. Only
+    ``<dir>/*/router.json`` is read: alternatives kept one level deeper (``router_weights/alternatives/``)
+    are loaded by ``router_path`` only, so the default for a backbone stays unambiguous."""
     found: list[tuple[Path, str]] = []
     for root in router_search_dirs():
         if not root.is_dir():

@@ -555,6 +555,27 @@ def test_startup_errors_name_the_fix(tmp_path, monkeypatch):
         resolve_ops("cuda", torch.device("cpu"))
 
 
+def test_the_default_shipped_router_is_found_beside_the_alternatives(monkeypatch):
+    """The real router_weights/: SmolLM2's default is found by shape, the sparser alternative (same shape, same
+    backbone id) is not a second match, and it still loads as a router for that backbone."""
+    from pathlib import Path
+
+    import elastic_vllm.vllm_plugin.state as state_mod
+    from elastic_vllm.router.checkpoint import load_router, read_meta
+
+    root = Path(__file__).resolve().parents[2] / "router_weights"
+    monkeypatch.setattr(state_mod, "router_search_dirs", lambda: [root])
+    default, alt = root / "smollm2-135m-instruct", root / "alternatives" / "smollm2-135m-instruct-s040"
+    shape = read_meta(default).shape
+    assert read_meta(alt).shape == shape and read_meta(alt).backbone.id == read_meta(default).backbone.id
+    assert state_mod.find_shipped_router(shape, "/models/SmolLM2-135M-Instruct") == default
+    assert load_router(alt).meta.training["targets"]["sensitive"] == 0.4
+    # the same two folders side by side would be ambiguous: the search says so instead of picking one
+    monkeypatch.setattr(state_mod, "router_search_dirs", lambda: [root, root / "alternatives"])
+    with pytest.raises(ConfigError, match="several shipped routers match"):
+        state_mod.find_shipped_router(shape, "/models/SmolLM2-135M-Instruct")
+
+
 # --- runner hooks, on stand-ins with the signatures of vLLM 0.26 and 0.32 -------------------------
 class _Obs:
     def __init__(self, eager: bool):
