@@ -332,6 +332,16 @@ def results_rows() -> list[str]:
         + "; ".join(f"{t['measured']} ({'met' if t['met'] else 'not met'})" for t in a["targets"])
         + f" | {_link('benchmarks/results/accuracy-smollm2-h200/results.md')} |"
     )
+    g = json.loads((RESULTS / "agreement-cpu-smollm2-s040.json").read_text())
+    gs = g["summary"]
+    rows.append(
+        f"| vLLM (CPU build, elastic backend) vs transformers on RULER prompts, router s040 | "
+        f"{g['provenance']['host_cpu_count']}-core VM, float32, commit {g['provenance']['git_commit'][:7]} | "
+        f"{gs['n']} prompts ({', '.join(p['task'] for p in g['prompts'])}; "
+        f"{min(p['prompt_tokens'] for p in g['prompts'])}-{max(p['prompt_tokens'] for p in g['prompts'])} tokens): "
+        f"routing equal {gs['routing_equal']:.0%}, greedy tokens equal {gs['tokens_equal']:.0%} "
+        f"({gs['max_new_tokens']} new tokens) | {_link('benchmarks/results/agreement-cpu-smollm2-s040.json')} |"
+    )
     a = json.loads((RESULTS / "accuracy-smollm2-default-router-h200" / "results.json").read_text())
     rows.append(
         "| RULER + robust tasks at 8K, elastic (default router smollm2-135m-instruct) vs dense vs static (SmolLM2) | "
