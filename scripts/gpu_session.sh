@@ -9,6 +9,7 @@
 #   bash scripts/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7)
 #   bash scripts/gpu_session.sh eval        # benchmarks/accuracy.py (P6) with the router trained in check_train
 #   bash scripts/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2)
+#   bash scripts/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (scripts/ab_prep.sh)
 # Two-GPU machine (nvidia-h200-x2), trainers in the background while vLLM is staged and checked:
 #   train_only (carry .gpu-gguf/a .gpu-carry .whl), then `train_bg` (carry .gpu-gguf/b .whl): recipes
 #   VARIANT_A / VARIANT_B start detached on GPU $TRAIN_GPU from a copy of the tree (/tmp/tree-train);
@@ -139,5 +140,27 @@ case "$step" in
   kernels)
     timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check_kernels.json" 2>&1 | tail -40 || true
     python3 benchmarks/kernels.py --out "$OUT/kernels.json" --budget ${BUDGET:-200} 2>&1 | tail -45 ;;
+  ab)
+    # the kernels of this tree vs the csrc/ of another commit (`bash scripts/ab_prep.sh REF`, carry .abtest), in
+    # one call: same GPU, same clocks and power state. SECTIONS: kernels.py's --sections filter; CHECK_K: the
+    # GPU checks of this tree first (check_kernels.py -k); KERNELS_ARGS: more kernels.py flags (--quick, or
+    # --cpu-dry for a plumbing check). Back: kernels-tree.json, kernels-ref.json (env.csrc_sha256 names the
+    # sources each side timed), check-kernels-tree.json
+    ab=${AB_DIR:-.abtest}
+    [ -f "$ab/REF" ] || { echo "no $ab/REF: run scripts/ab_prep.sh REF and carry .abtest"; exit 2; }
+    ref=$(cat "$ab/REF")
+    mkdir -p "$OUT"
+    if [ -n "${CHECK_K:-}" ]; then
+      timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check-kernels-tree.json" \
+        -k "$CHECK_K" 2>&1 | tail -20 || true
+    fi
+    rm -rf /tmp/ab-ref && mkdir -p /tmp/ab-ref && cp -r benchmarks tests elastic_vllm /tmp/ab-ref/ && cp -r "$ab/csrc" /tmp/ab-ref/
+    for side in tree ref; do
+      dir=$PWD; commit=${GIT_COMMIT:-unknown}
+      [ $side = ref ] && { dir=/tmp/ab-ref; commit=$ref; }
+      (cd "$dir" && GIT_COMMIT=$commit PYTHONPATH=$dir python3 benchmarks/kernels.py ${KERNELS_ARGS:-} \
+        --out "$OUT/kernels-$side.json" --budget ${BUDGET:-200} --sections "${SECTIONS:?kernels.py --sections filter}" \
+        2>&1 | tail -12)
+    done ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -55,7 +55,11 @@ def bootstrap() -> None:
         sys.modules["pydantic"] = _pydantic_stand_in()
     import elastic_vllm
 
-    if importlib.util.find_spec("elastic_vllm.csrc") is None:
+    # the kernels timed are those of this tree: an editable install elsewhere (or of another checkout, as in
+    # the A/B of scripts/gpu_session.sh ab) would map elastic_vllm.csrc to its own csrc/
+    spec = importlib.util.find_spec("elastic_vllm.csrc")
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    if origin is None or origin.parent != (ROOT / "csrc").resolve():
         spec = importlib.util.spec_from_file_location(
             "elastic_vllm.csrc", ROOT / "csrc" / "__init__.py", submodule_search_locations=[str(ROOT / "csrc")]
         )
@@ -89,7 +93,19 @@ def env_info() -> dict:
         "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if in_git else None,
         "python": sys.version.split()[0],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "csrc_sha256": csrc_sha256(),
     }
+
+
+def csrc_sha256() -> str:
+    """One hash of the kernel sources this run imports (csrc/*.py of this tree, by name): says which kernels a
+    result timed when the tree is not a git checkout (the device machine) or when two trees are compared."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((ROOT / "csrc").glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def close_llm(llm) -> None:
