@@ -282,3 +282,17 @@ def test_xattention_modes_train(env, tmp_path, mode):
     _, log = run(env, tmp_path / mode, steps=2, elastic=elastic)
     assert all(torch.isfinite(torch.tensor(r["lm_loss"])) for r in log)
     assert load_router(tmp_path / mode / "router").meta.attention["mode"] == mode
+
+
+def test_cli_closes_the_process_group_it_trained_under(tmp_path):
+    """train-router destroys the torchrun process group before exit (left to interpreter teardown, a gloo rank
+    of the 2-process test once aborted: 'terminate called without an active exception')."""
+    import torch.distributed as dist
+
+    from elastic_vllm.train.cli import close_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    close_process_group()
+    assert not dist.is_initialized()
+    close_process_group()  # nothing to close: no error

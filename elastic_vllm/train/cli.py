@@ -103,7 +103,10 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
 def train_router(a: argparse.Namespace) -> int:
     from elastic_vllm.train.loop import train
 
-    summary = train(config_from_args(a))
+    try:
+        summary = train(config_from_args(a))
+    finally:
+        close_process_group()
     if summary:
         print(json.dumps({k: summary[k] for k in ("omega_msr_by_category", "final_window", "lambdas", "wall_s")}))
     return 0
@@ -120,3 +123,13 @@ def build_data(a: argparse.Namespace) -> int:
 
     print(json.dumps(build_from_args(a)))
     return 0
+
+
+def close_process_group() -> None:
+    """The CLI process owns torchrun's process group (``init_distributed`` made it): destroy it before the
+    interpreter exits. Left to teardown, gloo's threads can be destroyed while joinable and the rank aborts
+    ("terminate called without an active exception", SIGABRT; seen once in the 2-process CPU test)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
