@@ -282,6 +282,14 @@ def results_rows() -> list[str]:
         f"({'met' if tg['needle_drop_vs_all_fa']['met'] else 'not met'}; 10 prompts per length) "
         f"| {_link('benchmarks/results/router-train-smollm2-s040-h200/measure.md')} |"
     )
+    m = json.loads((RESULTS / "router-check-cpu-smollm2-default" / "measure.json").read_text())
+    rows.append(
+        f"| The default SmolLM2 router, checked as the s040 one was (same prompts, 10 per length, float32) | "
+        f"{m['device']} | needle 2K-6K {m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} "
+        f"all-FA; Omega_MSR robust {m['omega']['omega_msr_by_category']['robust']:.3f} / sensitive "
+        f"{m['omega']['omega_msr_by_category']['sensitive']:.3f} "
+        f"| {_link('benchmarks/results/router-check-cpu-smollm2-default/measure.md')} |"
+    )
     rd = RESULTS / "dev" / "router-train-3-h200-v1data"
     m = json.loads((rd / "measure.json").read_text())
     t = json.loads((rd / "summary.json").read_text())
