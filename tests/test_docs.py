@@ -253,33 +253,29 @@ def results_rows() -> list[str]:
         f"{tt[(L, 'elastic FA-SSA auto')]['flash_attn_s'] * 1e3:.0f} ms: the backend's per-layer launches and host "
         f"work dominate at this size) | {_link('benchmarks/results/e2e-vllm-h200-demo.json')} |"
     )
-    rd = RESULTS / "router-train-smollm2-h200"
-    m = json.loads((rd / "measure.json").read_text())
-    t = json.loads((rd / "summary.json").read_text())
-    cat = m["omega"]["omega_msr_by_category"]
-    tg = m["targets"]
+
+    def router_check(rd, note=""):
+        """The shared text of a trained router's row: steps, held-out Omega_MSR, the needle check."""
+        m, t = json.loads((rd / "measure.json").read_text()), json.loads((rd / "summary.json").read_text())
+        cat, tg = m["omega"]["omega_msr_by_category"], m["targets"]
+        text = (
+            f"{t['steps']} steps in {t['wall_s']:.0f} s: Omega_MSR robust {cat['robust']:.3f} / sensitive "
+            f"{cat['sensitive']:.3f} on held-out prompts ({'met' if tg['robust_minus_sensitive']['met'] else 'not met'}); "
+            f"needle 2K-6K {m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA, drop "
+            f"{100 * tg['needle_drop_vs_all_fa']['value']:.0f} points "
+            f"({'met' if tg['needle_drop_vs_all_fa']['met'] else 'not met'}{note})"
+        )
+        return m, t, text
+
+    m, t, text = router_check(RESULTS / "router-train-smollm2-h200")
     rows.append(
-        f"| Shipped SmolLM2 router (router_weights/smollm2-135m-instruct) | {m['device']} | {t['steps']} steps "
-        f"in {t['wall_s']:.0f} s: Omega_MSR robust {cat['robust']:.3f} / sensitive {cat['sensitive']:.3f} on "
-        f"held-out prompts ({'met' if tg['robust_minus_sensitive']['met'] else 'not met'}); needle 2K-6K "
-        f"{m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA, drop "
-        f"{100 * tg['needle_drop_vs_all_fa']['value']:.0f} points "
-        f"({'met' if tg['needle_drop_vs_all_fa']['met'] else 'not met'}) "
+        f"| Shipped SmolLM2 router (router_weights/smollm2-135m-instruct) | {m['device']} | {text} "
         f"| {_link('benchmarks/results/router-train-smollm2-h200/measure.md')} |"
     )
-    rd = RESULTS / "router-train-smollm2-s040-h200"
-    m = json.loads((rd / "measure.json").read_text())
-    t = json.loads((rd / "summary.json").read_text())
-    cat = m["omega"]["omega_msr_by_category"]
-    tg = m["targets"]
+    m, t, text = router_check(RESULTS / "router-train-smollm2-s040-h200", "; 10 prompts per length")
     rows.append(
         f"| Sparser SmolLM2 router (router_weights/alternatives/smollm2-135m-instruct-s040, sensitive target "
-        f"{t['targets']['sensitive']}) | trained on {t['device']}, checked on {m['device']} | {t['steps']} steps in "
-        f"{t['wall_s']:.0f} s: Omega_MSR robust {cat['robust']:.3f} / sensitive {cat['sensitive']:.3f} on held-out "
-        f"prompts ({'met' if tg['robust_minus_sensitive']['met'] else 'not met'}); needle 2K-6K "
-        f"{m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA, drop "
-        f"{100 * tg['needle_drop_vs_all_fa']['value']:.0f} points "
-        f"({'met' if tg['needle_drop_vs_all_fa']['met'] else 'not met'}; 10 prompts per length) "
+        f"{t['targets']['sensitive']}) | trained on {t['device']}, checked on {m['device']} | {text} "
         f"| {_link('benchmarks/results/router-train-smollm2-s040-h200/measure.md')} |"
     )
     m = json.loads((RESULTS / "router-check-cpu-smollm2-default" / "measure.json").read_text())
