@@ -52,6 +52,12 @@ def main() -> int:
         a.max_eval_tokens,
     )
     res["haystack"] = str(a.haystack)
+    import torch
+
+    from elastic_vllm.eval.harness import provenance
+
+    dev = torch.device("cuda" if torch.cuda.is_available() and a.device in ("auto", "cuda") else "cpu")
+    res["provenance"] = provenance([sys.executable, *sys.argv], dev)
     print(format_report(res))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -336,6 +336,42 @@ def results_rows() -> list[str]:
         + "; ".join(f"{t['measured']} ({'met' if t['met'] else 'not met'})" for t in a["targets"])
         + f" | {_link('benchmarks/results/accuracy-smollm2-h200/results.md')} |"
     )
+    a = json.loads((RESULTS / "accuracy-smollm2-xa-h200" / "results.json").read_text())
+    t8 = {m: a["table"][m]["8192"] for m in a["table"]}
+
+    def cell(m, k):
+        c = t8[m][k]
+        return f"{c['score']:.1f} at Omega_MSR {c['omega_msr']:.2f} / Omega_ESR {c['omega_esr']:.2f}"
+
+    rows.append(
+        "| RULER + robust tasks at 8K, router s040 in the XAttention modes (SmolLM2; "
+        f"{a['options']['xa_samples']} prompts per task for FA-XA / XA-SSA, {a['options']['samples']} for dense) | "
+        f"{a['provenance']['gpu']} | RULER: dense {t8['dense']['ruler_avg']['score']:.1f}, FA-XA "
+        f"{cell('FA-XA', 'ruler_avg')}, XA-SSA {cell('XA-SSA', 'ruler_avg')}; robust: dense "
+        f"{t8['dense']['robust_avg']['score']:.1f}, FA-XA {cell('FA-XA', 'robust_avg')}, XA-SSA "
+        f"{cell('XA-SSA', 'robust_avg')} | {_link('benchmarks/results/accuracy-smollm2-xa-h200/results.md')} |"
+    )
+    a = json.loads((RESULTS / "accuracy-smollm2-sparse-decode-h200" / "results.json").read_text())
+    t8 = {m: a["table"][m]["8192"] for m in a["table"]}
+    rows.append(
+        "| RULER + robust tasks at 8K, router s040 with sparse decode (SA heads read only sink + window while "
+        f"generating; SmolLM2) | {a['provenance']['gpu']} | RULER: dense {t8['dense']['ruler_avg']['score']:.1f}, "
+        f"elastic-sparse {cell('elastic-sparse', 'ruler_avg')}; robust: dense {t8['dense']['robust_avg']['score']:.1f}, "
+        f"elastic-sparse {cell('elastic-sparse', 'robust_avg')} "
+        f"| {_link('benchmarks/results/accuracy-smollm2-sparse-decode-h200/results.md')} |"
+    )
+    m = json.loads((RESULTS / "router-check-gpu-smollm2-s040" / "measure.json").read_text())
+    n = m["needle"]
+    rows.append(
+        f"| The s040 router's needle check on the GPU "
+        f"({m['provenance']['command'].split('--per-length ')[1].split()[0]} prompts per length, bf16) | "
+        f"{m['device']} | needle 2K-6K {n['mean_auto']:.2f} routed vs {n['mean_all-FA']:.2f} all-FA, drop "
+        f"{100 * m['targets']['needle_drop_vs_all_fa']['value']:.0f} points (bound 2: "
+        f"{'met' if m['targets']['needle_drop_vs_all_fa']['met'] else 'not met'}); Omega_MSR robust "
+        f"{m['omega']['omega_msr_by_category']['robust']:.3f} / sensitive "
+        f"{m['omega']['omega_msr_by_category']['sensitive']:.3f} "
+        f"| {_link('benchmarks/results/router-check-gpu-smollm2-s040/measure.md')} |"
+    )
     g = json.loads((RESULTS / "agreement-cpu-smollm2-s040.json").read_text())
     gs = g["summary"]
     rows.append(

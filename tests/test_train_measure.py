@@ -91,5 +91,9 @@ def test_measure_script_writes_json(setup, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(SCRIPT), run_name="__main__")
     assert e.value.code == 0
-    assert json.loads(out.read_text())["haystack"] == "noise"
+    res = json.loads(out.read_text())
+    assert res["haystack"] == "noise"
+    prov = res["provenance"]  # what a committed result file must say about where it came from
+    assert prov["device"] == "cpu" and prov["gpu"] == "none (cpu)" and "--per-length" in prov["command"]
+    assert prov["torch"] and prov["transformers"] and prov["git_commit"]
     assert "needle accuracy" in capsys.readouterr().out
