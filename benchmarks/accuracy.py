@@ -15,6 +15,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from elastic_vllm.source_tree import use_source_kernels  # noqa: E402
+
+use_source_kernels(ROOT)  # --impl triton: this checkout's kernels, installed or not
+
 from elastic_vllm.eval.harness import main  # noqa: E402
 
 if __name__ == "__main__":

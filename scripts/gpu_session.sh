@@ -135,8 +135,10 @@ case "$step" in
     tar -C "$OUT" -czf "$OUT/e2e_logs.tgz" e2e_logs 2>/dev/null && rm -rf "$OUT/e2e_logs" || true ;;
   eval)
     M=$(demo)
-    python3 benchmarks/accuracy.py --model "$M" --router /tmp/router --lengths 4096 8192 --samples ${SAMPLES:-20} \
-      --out "$OUT/accuracy" --device cuda --time-budget ${BUDGET:-300} 2>&1 | tail -40 ;;
+    # ROUTER (default /tmp/router, from check_train), LENGTHS, METHODS, IMPL (torch | triton) as for eval_bg
+    python3 benchmarks/accuracy.py --model "$M" --router "${ROUTER:-/tmp/router}" --lengths ${LENGTHS:-4096 8192} \
+      --samples ${SAMPLES:-20} --out "$OUT/accuracy" --device cuda --time-budget ${BUDGET:-300} \
+      ${METHODS:+--methods $METHODS} ${IMPL:+--impl $IMPL} 2>&1 | grep -v Warning | tail -40 ;;
   kernels)
     timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check_kernels.json" 2>&1 | tail -40 || true
     python3 benchmarks/kernels.py --out "$OUT/kernels.json" --budget ${BUDGET:-200} 2>&1 | tail -45 ;;

@@ -9,7 +9,6 @@ validates configs; the scripts never build an ElasticConfig.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -53,20 +52,11 @@ def bootstrap() -> None:
         import pydantic  # noqa: F401
     except ImportError:
         sys.modules["pydantic"] = _pydantic_stand_in()
-    import elastic_vllm
+    from elastic_vllm.source_tree import use_source_kernels
 
     # the kernels timed are those of this tree: an editable install elsewhere (or of another checkout, as in
     # the A/B of scripts/gpu_session.sh ab) would map elastic_vllm.csrc to its own csrc/
-    spec = importlib.util.find_spec("elastic_vllm.csrc")
-    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
-    if origin is None or origin.parent != (ROOT / "csrc").resolve():
-        spec = importlib.util.spec_from_file_location(
-            "elastic_vllm.csrc", ROOT / "csrc" / "__init__.py", submodule_search_locations=[str(ROOT / "csrc")]
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["elastic_vllm.csrc"] = mod
-        spec.loader.exec_module(mod)
-        elastic_vllm.csrc = mod
+    use_source_kernels(ROOT)
 
 
 def env_info() -> dict:
