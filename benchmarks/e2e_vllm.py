@@ -129,6 +129,10 @@ def gpu_plan() -> list[dict]:
     el128.append(_ttft(3.5, 32 * K, 0.75, reps=1, profile=True, label="elastic FA-SSA share 0.75 block 128 profiled"))
     demo_lens = (2 * K, 4 * K, 8 * K - 256)
     qlens = (32 * K, 128 * K, 8 * K)
+    # Qwen3-8B decode: the same shapes as Llama's (36 layers: 32K x 16 and 128K x 4 take ~77 GB of KV cache);
+    # after its TTFT rows (`--kinds decode` runs only these)
+    qdec = [_decode(7.5, 32 * K, 16), _decode(7.5, 128 * K, 4)]
+    qdec_el = [_decode(7, c, b, 0.75, ["dense", "sparse"]) for c, b in ((32 * K, 16), (128 * K, 4))]
     big = 256 * K + MARGIN
     return [
         _job("llama8b-flash", L8, "FLASH_ATTN", fa, mml),
@@ -137,8 +141,8 @@ def gpu_plan() -> list[dict]:
         _job("demo-flash", DEMO, "FLASH_ATTN", [_ttft(4.5, L) for L in demo_lens], 8 * K, graphs=False),
         _job("demo-elastic", DEMO, "elastic", demo_tasks(4, demo_lens), 8 * K, graphs=False),
         _job("llama8b-triton", L8, "TRITON_ATTN", [_ttft(5, 8 * K), _ttft(5, 32 * K)], mml),
-        _job("qwen3-8b-flash", Q8, "FLASH_ATTN", [_ttft(7.5, L) for L in qlens], mml),
-        _job("qwen3-8b-elastic", Q8, "elastic", [_ttft(7, L, s) for L in qlens for s in SHARES], mml),
+        _job("qwen3-8b-flash", Q8, "FLASH_ATTN", [_ttft(7.5, L) for L in qlens] + qdec, mml),
+        _job("qwen3-8b-elastic", Q8, "elastic", [_ttft(7, L, s) for L in qlens for s in SHARES] + qdec_el, mml),
         _job("llama8b-256k-flash", L8, "FLASH_ATTN", [_ttft(8.5, 256 * K, reps=1)], big, graphs=False),
         _job("llama8b-256k-elastic", L8, "elastic", [_ttft(8, 256 * K, 0.75, reps=1)], big, graphs=False),
     ]
