@@ -302,6 +302,28 @@ def ours_cfg(d: int) -> dict:
     return dict(OURS_BY_D.get(d, OURS))
 
 
+def fa3_fn(x: dict, bs: int):
+    """vLLM's own FlashAttention-3 (``vllm.vllm_flash_attn``, what its FLASH_ATTN backend runs on Hopper), dense
+    causal over the same paged cache as ours at ``bs``. Needs the staged vLLM (PYTHONPATH=/tmp/vsite on the GPU
+    machine); raises RuntimeError with the reason when it is not there."""
+    if DEV.type != "cuda":
+        raise RuntimeError("FA3 needs a CUDA GPU")
+    try:
+        from vllm.vllm_flash_attn import fa_version_unsupported_reason, flash_attn_varlen_func
+    except Exception as e:  # ImportError, or vLLM's own import-time errors
+        raise RuntimeError(f"vllm.vllm_flash_attn not importable: {e!r}"[:300]) from e
+    why = fa_version_unsupported_reason(3)
+    if why:
+        raise RuntimeError(f"FA3 unsupported here: {why}")
+    kc, vc, bt = paged(x, bs)
+    S = x["q"].shape[0]
+    out = torch.empty_like(x["q"])
+    return lambda: flash_attn_varlen_func(
+        x["q"], kc, vc, max_seqlen_q=S, cu_seqlens_q=x["qsl"], max_seqlen_k=S, seqused_k=x["sl"],
+        softmax_scale=x["q"].shape[-1] ** -0.5, causal=True, block_table=bt, out=out, fa_version=3,
+    )  # fmt: skip
+
+
 def ours_fn(x: dict, share: float, cfg: dict | None = None):
     from elastic_vllm.csrc.prefill import prefill_attention
 
@@ -485,6 +507,21 @@ def prefill_section(S: int, d: int, shares, extra: dict | None = None) -> None:
     rows.append({"S": S, "d": d, "method": "sdpa_flash_dense", "how": how, **t_sdpa,
                  "TFLOPs": dense_flops / (t_sdpa["ms"] * 1e-3) / 1e12})  # fmt: skip
     log(rows[-1])
+    # the bar the issue aims at: vLLM's FA3, dense, over the same paged cache (checked against SDPA first)
+    t_fa3 = None
+    try:
+        fa3 = fa3_fn(x, ours_cfg(d)["bs"])
+        a, b = fa3().float(), sdpa()[0].transpose(0, 1).float()
+        diff = float((a - b).norm() / b.norm())
+        del a, b
+        t_fa3 = timeit(fa3)
+        rows.append({"S": S, "d": d, "method": "vllm_fa3_dense", "how": "vllm.vllm_flash_attn fa_version=3, paged",
+                     "block_size": ours_cfg(d)["bs"], "rel_diff_vs_sdpa": diff, **t_fa3,
+                     "TFLOPs": dense_flops / (t_fa3["ms"] * 1e-3) / 1e12})  # fmt: skip
+        del fa3
+    except Exception as e:
+        rows.append({"S": S, "d": d, "method": "vllm_fa3_dense", "error": repr(e)[:300]})
+    log(rows[-1])
     save()
     for share in shares:
         if elapsed() > ARGS.budget:
@@ -521,6 +558,8 @@ def prefill_section(S: int, d: int, shares, extra: dict | None = None) -> None:
                 row["TFLOPs"] = flops / (r["ms"] * 1e-3) / 1e12
                 if name == "ours":
                     row["x_vs_sdpa"] = t_sdpa["ms"] / r["ms"]
+                    if t_fa3:  # dense FA3's time over ours (at share > 0: the hybrid against FA3's dense)
+                        row["x_vs_fa3_dense"] = t_fa3["ms"] / r["ms"]
                     for other in ("flex_hybrid", "split"):
                         if "ms" in res.get(other, {}):
                             row[f"x_vs_{other}"] = res[other]["ms"] / r["ms"]
@@ -880,7 +919,10 @@ def summary() -> None:
         if r.get("method") == "ours" and "ms" in r:
             print(f"  S={r['S']:>6} d={r['d']} SA {r['share']:<4} ours {r['ms']:8.2f} ms {r['TFLOPs']:6.0f} TF/s"
                   f"  x_sdpa {r.get('x_vs_sdpa', 0):5.2f}  x_flex {r.get('x_vs_flex_hybrid', 0):5.2f}"
-                  f"  x_split {r.get('x_vs_split', 0):5.2f}")  # fmt: skip
+                  f"  x_split {r.get('x_vs_split', 0):5.2f}  x_fa3_dense {r.get('x_vs_fa3_dense', 0):5.2f}")  # fmt: skip
+        elif r.get("method") == "vllm_fa3_dense":
+            what = f"{r['ms']:8.2f} ms {r['TFLOPs']:6.0f} TF/s" if "ms" in r else r.get("error")
+            print(f"  S={r['S']:>6} d={r['d']} vLLM FA3 dense {what}")
     for r in REPORT.get("tune", []):
         print(f"  tune {r}")
     for r in REPORT.get("prefill_vllm", []):

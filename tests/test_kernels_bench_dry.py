@@ -19,7 +19,7 @@ def test_kernels_benchmark_dry_run(tmp_path):
     out = tmp_path / "kernels.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--cpu-dry", "--out", str(out),
-         "--sections", "correctness,vllm,decode"],
+         "--sections", "correctness,vllm,decode,prefill S="],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -31,6 +31,11 @@ def test_kernels_benchmark_dry_run(tmp_path):
     assert set(rows) == {("planes", 1), ("planes", 2), ("vllm_interleaved", 1), ("vllm_interleaved", 2)}
     assert all(r["rel_diff_vs_first"] < 1e-2 and r["ms"] > 0 for r in rows.values())
     assert {r["mode"] for r in d["decode"]} == {"dense", "sparse"}
+    # vLLM's FA3 anchor: on the CPU its row says why it did not run, and no ratio against it is made up
+    fa3 = [r for r in d["prefill"] if r["method"] == "vllm_fa3_dense"]
+    assert fa3 and all("CUDA" in r["error"] and "ms" not in r for r in fa3)
+    ours = [r for r in d["prefill"] if r["method"] == "ours"]
+    assert ours and all("x_vs_fa3_dense" not in r and r["x_vs_sdpa"] > 0 for r in ours)
 
 
 def test_host_overhead_script_reports_every_launcher(tmp_path):
