@@ -102,6 +102,7 @@ def test_outputs_schema(run):
     sh = res["static_hybrid"]
     assert sh["omega_msr"] == pytest.approx(t["elastic"][str(LENGTH)]["niah_single_1"]["omega_msr"])
     assert len(sh["is_fa"]) == 3 and len(sh["retrieval_scores"][0]) == 2
+    assert sh["matched_on"].startswith("Elastic's mean Omega_MSR on the sensitive samples")
     assert t["static"][str(LENGTH)]["niah_single_1"]["omega_msr"] == pytest.approx(round(sh["omega_msr"] * 6) / 6)
     assert len(res["targets"]) == 3 and all(isinstance(x["met"], bool) for x in res["targets"])
     freq = res["fa_frequency"]["elastic"][str(LENGTH)]
@@ -144,3 +145,23 @@ def test_code_texts_are_held_out_from_router_training():
 
     keys = [f"stdlib:{k}.py" for k in ("json/decoder", "zipfile", "asyncio/events", "ast", "typing", "bisect")]
     assert [in_router_eval_split(k) for k in keys] == [in_eval(k) for k in keys]
+
+
+def test_static_target_omega_sensitive_or_whole_workload():
+    samples = [
+        {"method": "elastic", "category": "sensitive", "omega_msr": 0.5},
+        {"method": "elastic", "category": "sensitive", "omega_msr": 0.3},
+        {"method": "elastic", "category": "robust", "omega_msr": 1.0},
+        {"method": "static", "category": "sensitive", "omega_msr": 0.9},  # not Elastic's: ignored
+    ]
+    om, what = harness.static_target_omega(samples, "sensitive")
+    assert om == pytest.approx(0.4) and "sensitive" in what and "n=2" in what
+    om, what = harness.static_target_omega(samples, "all")
+    assert om == pytest.approx(0.6) and "all its samples" in what and "n=3" in what
+    robust_only = [s for s in samples if s["category"] == "robust"]
+    om, what = harness.static_target_omega(robust_only, "sensitive")
+    assert om == pytest.approx(1.0) and "no sensitive ones" in what
+    with pytest.raises(RuntimeError, match="no samples"):
+        harness.static_target_omega([], "all")
+    with pytest.raises(ValueError, match="static match"):
+        harness.static_target_omega(samples, "robust")

@@ -258,6 +258,7 @@ class RunState:
     skipped: list[str] = field(default_factory=list)
     dense_ref: dict = field(default_factory=dict)  # (task, length, index) -> dense prediction / nll
     static_omega: float | None = None
+    static_matched_on: str | None = None
     static_routing: list | None = None
     retrieval_scores: list | None = None
 
@@ -428,6 +429,30 @@ def check_targets(table: dict, length: int) -> list[dict]:
     return out
 
 
+def static_target_omega(samples: list[dict], match: str) -> tuple[float, str]:
+    """The static hybrid's Omega_MSR from Elastic's samples and what it averaged.
+
+    match "sensitive": Elastic's mean on the sparsity-sensitive (RULER) samples (all of its samples when it ran
+    none); "all": its mean over every sample of the run, the one sparsity a static method applies to the whole
+    workload, sensitive and robust inputs alike."""
+    mine = [s for s in samples if s["method"] == "elastic"]
+    if match == "sensitive":
+        got = [s["omega_msr"] for s in mine if s["category"] == "sensitive"]
+        what = "Elastic's mean Omega_MSR on the sensitive samples"
+        if not got:
+            got, what = (
+                [s["omega_msr"] for s in mine],
+                "Elastic's mean Omega_MSR on all its samples (no sensitive ones)",
+            )
+    elif match == "all":
+        got, what = [s["omega_msr"] for s in mine], "Elastic's mean Omega_MSR on all its samples"
+    else:
+        raise ValueError(f"static match must be 'sensitive' or 'all', got {match!r}")
+    if not got:
+        raise RuntimeError("elastic produced no samples to match the static hybrid to")
+    return sum(got) / len(got), f"{what} (n={len(got)})"
+
+
 # --- provenance -----------------------------------------------------------------------------------
 def provenance(argv: list[str], device: torch.device) -> dict:
     import transformers
@@ -474,6 +499,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--methods", nargs="+", choices=list(METHODS), help="default: all (dense, static, all-SA without --router)"
     )
     p.add_argument("--static-omega", type=float, help="static hybrid's Omega_MSR (default: Elastic's realized average)")
+    p.add_argument(
+        "--static-match",
+        choices=["sensitive", "all"],
+        default="sensitive",
+        help="which of Elastic's samples the static hybrid's Omega_MSR averages: the sensitive (RULER) ones, or every "
+        "sample of the run (one fixed sparsity for the whole workload, as a static method serves it)",
+    )
     p.add_argument("--out", required=True, help="output folder (results.json, results.md, samples.jsonl.gz, *.png)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
@@ -597,15 +629,11 @@ def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> d
             from elastic_vllm.eval.baselines import static_routing
 
             if opts.static_omega is not None:
-                st.static_omega = float(opts.static_omega)
+                st.static_omega, st.static_matched_on = float(opts.static_omega), "--static-omega"
             else:
-                mine = [s for s in st.samples if s["method"] == "elastic"]
-                got = [s["omega_msr"] for s in mine if s["category"] == "sensitive"] or [s["omega_msr"] for s in mine]
-                if not got:
-                    raise RuntimeError("elastic produced no samples to match the static hybrid to")
-                st.static_omega = sum(got) / len(got)
+                st.static_omega, st.static_matched_on = static_target_omega(st.samples, opts.static_match)
             st.static_routing = static_routing(torch.tensor(st.retrieval_scores), st.static_omega).tolist()
-            log(f"static hybrid at Omega_MSR {st.static_omega:.3f} (Elastic's average on RULER, else all its tasks)")
+            log(f"static hybrid at Omega_MSR {st.static_omega:.3f} ({st.static_matched_on})")
         elapsed = time.perf_counter() - t_start
         if opts.time_budget and elapsed > opts.time_budget:
             st.skipped.append(f"{c.method}/{c.task}@{c.length}")
@@ -665,6 +693,7 @@ def _write(out: Path, opts, meta, router_meta, cfgs, methods, st: RunState, wall
         "methods": {m: {"label": METHODS[m].label, "config": cfgs.get(m)} for m in methods},
         "static_hybrid": {
             "omega_msr": st.static_omega,
+            "matched_on": st.static_matched_on,
             "is_fa": st.static_routing,
             "retrieval_scores": st.retrieval_scores,
         },
