@@ -556,6 +556,23 @@ def test_results_rows_match_the_json_files():
         assert (ROOT / link).is_file(), link
 
 
+def test_readme_static_match_numbers_come_from_the_committed_samples():
+    """The whole-workload Omega_MSR quoted for --static-match all, recomputed from the 8K run's samples."""
+    import gzip
+
+    from elastic_vllm.eval.harness import static_target_omega
+
+    with gzip.open(RESULTS / "accuracy-smollm2-h200" / "samples.jsonl.gz", "rt") as f:
+        samples = [json.loads(line) for line in f]
+    om, _ = static_target_omega(samples, "all")
+    el = [x for x in samples if x["method"] == "elastic"]
+    by_task: dict = {}
+    for x in el:
+        by_task.setdefault(x["task"], []).append(x["omega_msr"])
+    macro = sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
+    assert f"all {len(el)} samples of\n  that run is {om:.3f} ({macro:.3f} task-macro)" in README.read_text()
+
+
 def test_picture_and_links_exist():
     text = README.read_text()
     assert "docs/elastic-attention.svg" in text
