@@ -74,7 +74,31 @@ def run(tmp_path_factory):
     argv = ["--model", str(d / "model"), "--router", str(d / "router"), "--data", str(data)]
     argv += ["--lengths", str(LENGTH), "--out", str(out), "--device", "cpu", "--quick"]
     assert harness.main(argv) == 0
+    out.joinpath("argv.json").write_text(json.dumps(argv))
     return out
+
+
+def _samples(out: Path) -> dict:
+    with gzip.open(out / "samples.jsonl.gz", "rt") as f:
+        return {(s["method"], s["task"], s["index"]): s for s in map(json.loads, f)}
+
+
+def test_triton_impl_scores_as_the_torch_impl(run, tmp_path):
+    """--impl triton (P2's kernels, under the interpreter here) on the same prompts: every method's routing,
+    predictions and scores as with --impl torch (float32 on the CPU: the kernels' numerics are within
+    rounding of PyTorch's)."""
+    argv = json.loads((run / "argv.json").read_text())
+    argv[argv.index("--out") + 1] = str(tmp_path / "out")
+    methods = ["elastic", "elastic-sparse", "FA-XA"]  # SSA and XA prefill, dense and sparse decode
+    assert harness.main([*argv, "--impl", "triton", "--methods", *methods]) == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["options"]["impl"] == "triton" and res["complete"] is True
+    ref, got = _samples(run), _samples(tmp_path / "out")
+    assert {k[0] for k in got} == {"dense", *methods}
+    for key, s in got.items():
+        r = ref[key]
+        assert (s["omega_msr"], s.get("pred")) == (r["omega_msr"], r.get("pred")), key
+        assert s["score"] == pytest.approx(r["score"], rel=1e-4, abs=1e-4), key
 
 
 def test_outputs_schema(run):
