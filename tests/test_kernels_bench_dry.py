@@ -50,3 +50,17 @@ def test_host_overhead_script_reports_every_launcher(tmp_path):
     assert {"prefill_attention", "decode_attention", "Router.__call__ (2 launches)"} < set(d["us_per_call"])
     assert sum("layer routing" in k for k in d["us_per_call"]) == 2
     assert all(v > 0 for v in d["us_per_call"].values()) and d["git_commit"] and d["command"]
+
+
+def test_gpu_check_of_the_hf_triton_path_runs_dry(tmp_path):
+    """tests/gpu/check_kernels.py's checks of the transformers engine's Triton path, at toy sizes under the
+    interpreter: the plumbing the GPU run relies on (padded prompt and decode step vs the torch path)."""
+    out = tmp_path / "ck.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu" / "check_kernels.py"), "--cpu-dry", "-k", "hf triton",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    assert len(res) == 2 and all(r["ok"] and r["err"] <= r["bound"] for r in res), res

@@ -244,6 +244,46 @@ def decode_case(seqs, hq, hkv, d, bs, dtype, sink, window, sa_share, graph=False
     return fn
 
 
+def hf_triton_case(B, K, Q, hq, hkv, d, dtype, sink, window, sa_share):
+    """The transformers engine's Triton path (``elastic_vllm.hf.triton_backend``: the whole batch as 1-token
+    cache blocks, one launch) against its torch path, on a left-padded batch as generate() builds it: a
+    prompt (Q == K) or a decode step (Q == 1). Padding keys are NaN for the Triton path; the reference is the
+    torch path in fp32, the bound twice the torch path's own error in ``dtype``."""
+
+    def run(name):
+        import types
+
+        import torch
+
+        from elastic_vllm.hf import ops
+        from elastic_vllm.hf.attention import _compute
+
+        t0 = time.perf_counter()
+        g = torch.Generator(device=DEV).manual_seed(11)
+        cfg = types.SimpleNamespace(mode="FA-SSA", sink=sink, window=window, xattn_block=128)
+        q = torch.randn(B, hq, Q, d, device=DEV, dtype=dtype, generator=g)
+        k = torch.randn(B, hkv, K, d, device=DEV, dtype=dtype, generator=g)
+        v = torch.randn(B, hkv, K, d, device=DEV, dtype=dtype, generator=g)
+        mask = torch.ones(B, K, dtype=torch.long, device=DEV)
+        for b in range(1, B):
+            mask[b, : (K // 3) * b // (B - 1)] = 0  # left padding, up to a third of the row
+        modes = modes_for(B, hkv, sa_share).long().to(DEV)
+        k_pos, k_valid = ops.token_positions(mask, B, K, DEV)
+        ctx = [k_pos, k_valid, k_pos[:, K - Q :], k_valid[:, K - Q :], True]
+        scale = d**-0.5
+        ref = _compute(modes, q.float(), k.float(), v.float(), (*ctx, "torch"), cfg, scale, {})
+        base = _compute(modes, q, k, v, (*ctx, "torch"), cfg, scale, {})
+        kp = k.masked_fill(~k_valid[:, None, :, None], float("nan"))
+        vp = v.masked_fill(~k_valid[:, None, :, None], float("nan"))
+        got = _compute(modes, q, kp, vp, (*ctx, "triton"), cfg, scale, {})
+        real = ctx[3][:, None, :, None].expand_as(got)
+        err = max_err(got[real], ref[real])
+        record(name, err, tol(dtype, max_err(base[real], ref[real])), time.perf_counter() - t0,
+               ok=bool(err <= tol(dtype, max_err(base[real], ref[real])) and torch.all(got[~real] == 0)))  # fmt: skip
+
+    return run
+
+
 def route_case(lens, layers, pooling="boundary", pool_tokens=100):
     def fn(name):
         import torch
@@ -433,6 +473,14 @@ def main() -> int:
         (
             "prefill 8K bf16 d64 GQA4 bs128 default config",
             prefill_case([S8], [S8], 32, 8, 64, 128, bf, 128, W, 0.5),
+        ),
+        (
+            "hf triton path: padded prompt B3 4K bf16 50% SSA",
+            hf_triton_case(3, sz(4096), sz(4096), 32, 8, 128, bf, 4 if ARGS.cpu_dry else 128, sz(1024), 0.5),
+        ),
+        (
+            "hf triton path: padded decode step B3 4K bf16 50% SSA",
+            hf_triton_case(3, sz(4096), 1, 32, 8, 128, bf, 4 if ARGS.cpu_dry else 128, sz(1024), 0.5),
         ),
         (
             "xattn 8K FA-XA tau0.9",
