@@ -74,16 +74,31 @@ def row_spans(k_valid: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Te
         lo = torch.where(n > 0, k_valid.int().argmax(1), 0)
     ar = torch.arange(K, device=k_valid.device)
     expect = (ar >= lo[:, None]) & (ar < (lo + n)[:, None])
-    bad = (expect != k_valid).any()
+    bad = (expect != k_valid).any(1)
     if q_len < K:
-        bad = bad | (n < q_len).any()
-    if bool(bad):
+        bad = bad | (n < q_len)
+    if bool(bad.any()):
+        b = int(bad.int().argmax())
+        row = k_valid[b].nonzero().flatten().tolist()
         where = f"end at the last key and cover the {q_len} new tokens" if q_len < K else "be contiguous"
         raise ValueError(
             f"the triton path needs each row's real tokens to {where} (left padding for generation; left or "
-            f"right padding for a prompt), got the attention mask {k_valid.int().tolist()}"
+            f"right padding for a prompt); row {b} of the attention mask has {len(row)} real tokens of {K}, at "
+            f"{_runs(row)}"
         )
     return lo.to(torch.int32), n.to(torch.int32)
+
+
+def _runs(idx: list[int]) -> str:
+    """[0, 1, 2, 7, 8] -> "0-2, 7-8"."""
+    out, start = [], None
+    for i, x in enumerate(idx):
+        if start is None:
+            start = x
+        if i + 1 == len(idx) or idx[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else str(x))
+            start = None
+    return ", ".join(out) or "none"
 
 
 def hybrid_attention(
