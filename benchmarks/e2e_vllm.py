@@ -842,6 +842,8 @@ def worker(spec_path: str) -> int:
                 "engine_init_s": round(t_ready - t, 1), "warmup_s": round(time.time() - t_ready, 1),
                 "router": router_note, "engine_kwargs": {k: v for k, v in kw.items() if k != "model"},
                 "async_scheduling": getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", None),
+                # what the engine chose when the job sets none (elastic on CUDA: 128, its preferred size)
+                "block_size": getattr(llm.llm_engine.vllm_config.cache_config, "block_size", None),
                 "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)})  # fmt: skip
 
     deadline = spec["deadline"]

@@ -110,6 +110,13 @@ def is_elastic_backend(backend: Any, class_path: str) -> bool:
     return backend is AttentionBackendEnum.CUSTOM and _ATTN_OVERRIDES.get(backend) == class_path
 
 
+def on_cuda_platform() -> bool:
+    """vLLM's current platform is CUDA (the lent H200), not the CPU build."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
+
+
 def route_cpu_platform_custom_backend(class_path: str) -> None:
     """On the CPU platform, make a selected CUSTOM backend (ours) win over CPU_ATTN.
 

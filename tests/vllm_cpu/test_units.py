@@ -712,3 +712,18 @@ def test_cudagraph_support_is_declared_per_ops(device, ops, want):
         additional_config={"elastic_ops": ops} if ops else {}, device_config=SimpleNamespace(device=device)
     )
     assert ElasticMetadataBuilder.get_cudagraph_support(cfg, None).name == want
+
+
+def test_preferred_block_size_is_128_on_cuda_and_vllms_default_elsewhere(monkeypatch):
+    """vLLM (0.26+) asks the backend for the block size when --block-size is not given."""
+    from vllm.config.cache import CacheConfig
+
+    from elastic_vllm.vllm_plugin import backend, compat
+
+    B = backend.ElasticAttentionBackend
+    default = CacheConfig.DEFAULT_BLOCK_SIZE
+    assert not compat.on_cuda_platform()  # this machine: vLLM's CPU build
+    assert B.get_preferred_block_size(default) == default
+    monkeypatch.setattr(compat, "on_cuda_platform", lambda: True)
+    assert B.get_preferred_block_size(16) == 128 and B.get_preferred_block_size(256) == 256
+    assert B.supports_block_size(B.get_preferred_block_size(default))
