@@ -141,7 +141,7 @@ def gpu_plan() -> list[dict]:
         _job("llama8b-elastic", L8, "elastic", el, mml, block_size=16),
         _job("llama8b-elastic-bs128", L8, "elastic", el128, mml, block_size=128),
         _job("demo-flash", DEMO, "FLASH_ATTN", [_ttft(4.5, L) for L in demo_lens], 8 * K, graphs=False),
-        _job("demo-elastic", DEMO, "elastic", demo_tasks(4, demo_lens), 8 * K, graphs=False),
+        _job("demo-elastic", DEMO, "elastic", demo_tasks(4, demo_lens), 8 * K, graphs=False, block_size=16),
         _job("llama8b-triton", L8, "TRITON_ATTN", [_ttft(5, 8 * K), _ttft(5, 32 * K)], mml),
         _job("qwen3-8b-flash", Q8, "FLASH_ATTN", [_ttft(7.5, L) for L in qlens] + qdec, mml),
         _job(
