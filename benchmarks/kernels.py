@@ -425,8 +425,8 @@ TUNE_CANDIDATES = [
     {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": True},
     {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": False},
     {"bs": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "use_tma": True},
-    # two programs per SM (sm_90 build: 251 registers at 4 warps, no stack, 112 KB of shared memory, against 255 /
-    # 224 KB for the 128 x 128 default): one program's softmax can run under the other's MMAs without warp
+    # two programs per SM (sm_90 build, results/dev/sm90-build.json: 251 registers at 4 warps, no stack, 112 KB of
+    # shared memory, against 255 / 224 KB for the 128 x 128 default): one program's softmax can run under the other's MMAs without warp
     # specialization, at twice the K/V reads from L2 per FLOP (ninth session; not yet timed)
     {"bs": 128, "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "use_tma": False},
 ]

@@ -56,7 +56,7 @@ def main() -> int:
 
     from elastic_vllm.eval.harness import provenance
 
-    dev = torch.device("cuda" if torch.cuda.is_available() and a.device in ("auto", "cuda") else "cpu")
+    dev = torch.device("cuda" if torch.cuda.is_available() and not a.device.startswith("cpu") else "cpu")
     res["provenance"] = provenance([sys.executable, *sys.argv], dev)
     print(format_report(res))
     if a.out:

@@ -254,6 +254,14 @@ def results_rows() -> list[str]:
         f"work dominate at this size) | {_link('benchmarks/results/e2e-vllm-h200-demo.json')} |"
     )
 
+    def needle(m, note=""):
+        """A measure.json's needle check: routed vs all-FA accuracy at 2K-6K and the drop against its bound."""
+        tg = m["targets"]["needle_drop_vs_all_fa"]
+        return (
+            f"needle 2K-6K {m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA, drop "
+            f"{100 * tg['value']:.0f} points ({'met' if tg['met'] else 'not met'}{note})"
+        )
+
     def router_check(rd, note=""):
         """The shared text of a trained router's row: steps, held-out Omega_MSR, the needle check."""
         m, t = json.loads((rd / "measure.json").read_text()), json.loads((rd / "summary.json").read_text())
@@ -261,9 +269,7 @@ def results_rows() -> list[str]:
         text = (
             f"{t['steps']} steps in {t['wall_s']:.0f} s: Omega_MSR robust {cat['robust']:.3f} / sensitive "
             f"{cat['sensitive']:.3f} on held-out prompts ({'met' if tg['robust_minus_sensitive']['met'] else 'not met'}); "
-            f"needle 2K-6K {m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} all-FA, drop "
-            f"{100 * tg['needle_drop_vs_all_fa']['value']:.0f} points "
-            f"({'met' if tg['needle_drop_vs_all_fa']['met'] else 'not met'}{note})"
+            f"{needle(m, note)}"
         )
         return m, t, text
 
@@ -281,8 +287,7 @@ def results_rows() -> list[str]:
     m = json.loads((RESULTS / "router-check-cpu-smollm2-default" / "measure.json").read_text())
     rows.append(
         f"| The default SmolLM2 router, checked as the s040 one was (same prompts, 10 per length, float32) | "
-        f"{m['device']} | needle 2K-6K {m['needle']['mean_auto']:.2f} routed vs {m['needle']['mean_all-FA']:.2f} "
-        f"all-FA; Omega_MSR robust {m['omega']['omega_msr_by_category']['robust']:.3f} / sensitive "
+        f"{m['device']} | {needle(m)}; Omega_MSR robust {m['omega']['omega_msr_by_category']['robust']:.3f} / sensitive "
         f"{m['omega']['omega_msr_by_category']['sensitive']:.3f} "
         f"| {_link('benchmarks/results/router-check-cpu-smollm2-default/measure.md')} |"
     )
@@ -361,16 +366,12 @@ def results_rows() -> list[str]:
         f"| {_link('benchmarks/results/accuracy-smollm2-sparse-decode-h200/results.md')} |"
     )
     m = json.loads((RESULTS / "router-check-gpu-smollm2-s040" / "measure.json").read_text())
-    n = m["needle"]
+    cat = m["omega"]["omega_msr_by_category"]
     rows.append(
         f"| The s040 router's needle check on the GPU "
         f"({m['provenance']['command'].split('--per-length ')[1].split()[0]} prompts per length, bf16) | "
-        f"{m['device']} | needle 2K-6K {n['mean_auto']:.2f} routed vs {n['mean_all-FA']:.2f} all-FA, drop "
-        f"{100 * m['targets']['needle_drop_vs_all_fa']['value']:.0f} points (bound 2: "
-        f"{'met' if m['targets']['needle_drop_vs_all_fa']['met'] else 'not met'}); Omega_MSR robust "
-        f"{m['omega']['omega_msr_by_category']['robust']:.3f} / sensitive "
-        f"{m['omega']['omega_msr_by_category']['sensitive']:.3f} "
-        f"| {_link('benchmarks/results/router-check-gpu-smollm2-s040/measure.md')} |"
+        f"{m['device']} | {needle(m, '; bound 2')}; Omega_MSR robust {cat['robust']:.3f} / sensitive "
+        f"{cat['sensitive']:.3f} | {_link('benchmarks/results/router-check-gpu-smollm2-s040/measure.md')} |"
     )
     g = json.loads((RESULTS / "agreement-cpu-smollm2-s040.json").read_text())
     gs = g["summary"]

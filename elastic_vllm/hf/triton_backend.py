@@ -147,7 +147,7 @@ def hybrid_attention(
             qsl = torch.arange(B + 1, device=dev, dtype=torch.int32) * Q
             o = prefill_attention(qp, kc, vc, bt, qsl, n, modes, sink=cfg.sink, window=cfg.window, scale=scale)
             out = o.view(B, Q, Hq, D).transpose(1, 2)
-        return torch.where(q_valid[:, None, :, None], out, 0.0) if padded else out
+        return out  # row_spans checked that every new token is real: no padding queries to zero
     # prefill (Q == K): per row the requests [leading padding, real tokens, trailing padding]; a request of
     # 0 tokens owns no queries (its programs exit)
     if padded:
@@ -164,7 +164,7 @@ def hybrid_attention(
     qsl[1:] = lens.cumsum(0)
     bt = (req_base + starts)[:, None] + ar[None, :]
     kw = {}
-    if bool((modes == HeadMode.XA).any()):
+    if cfg.uses_xattn and bool((modes == HeadMode.XA).any()):  # FA-SSA: no host sync here
         kw = _xa_kwargs(xa, n, padded, R, modes.shape[1], cfg, dev)
     qp = q.transpose(1, 2).reshape(B * K, Hq, D)
     o = prefill_attention(qp, kc, vc, bt, qsl, lens, req_modes, sink=cfg.sink, window=cfg.window, scale=scale, **kw)

@@ -260,7 +260,7 @@ def hf_triton_case(B, K, Q, hq, hkv, d, dtype, sink, window, sa_share):
 
         t0 = time.perf_counter()
         g = torch.Generator(device=DEV).manual_seed(11)
-        cfg = types.SimpleNamespace(mode="FA-SSA", sink=sink, window=window, xattn_block=128)
+        cfg = types.SimpleNamespace(mode="FA-SSA", sink=sink, window=window, xattn_block=128, uses_xattn=False)
         q = torch.randn(B, hq, Q, d, device=DEV, dtype=dtype, generator=g)
         k = torch.randn(B, hkv, K, d, device=DEV, dtype=dtype, generator=g)
         v = torch.randn(B, hkv, K, d, device=DEV, dtype=dtype, generator=g)
