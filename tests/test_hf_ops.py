@@ -108,6 +108,30 @@ def test_masked_attention_with_padding_and_modes(q_len):
     assert torch.isfinite(out).all()
 
 
+def test_masked_attention_accepts_a_permuted_sdpa_output(monkeypatch):
+    """CUDA's SDPA (efficient / flash backends) returns [B, H, L, D] with [B, L, H, D] strides; the grouped
+    output must still come back as [B, Hq, Q, D] (a `.view` raised on the H200). The layout is forced here; the
+    real CUDA call is checked by tests/gpu/check_kernels.py ("hf triton path")."""
+    cfg = ElasticConfig(sink=2, window=5)
+    B, Hq, Hkv, K, D = 2, 4, 2, 24, 8
+    k_pos, k_valid = ops.token_positions(torch.ones(B, K, dtype=torch.bool), B, K, "cpu")
+    modes = torch.tensor([[FA, SSA], [SSA, FA]])
+    q, k, v = torch.randn(B, Hq, K, D), torch.randn(B, Hkv, K, D), torch.randn(B, Hkv, K, D)
+    mask = ops.head_masks(modes, k_pos, k_pos, k_valid, cfg, {})
+    want = ops.masked_attention(q, k, v, mask, 0.3)
+    real_sdpa = F.scaled_dot_product_attention
+
+    def permuted(*a, **kw):
+        o = real_sdpa(*a, **kw)
+        p = o.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not p.is_contiguous()
+        return p
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", permuted)
+    got = ops.masked_attention(q, k, v, mask, 0.3)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_pooling_matches_router_pool_keys_per_row():
     keys = torch.randn(3, 30, 2, 4)
     prompt = torch.ones(3, 30, dtype=torch.bool)

@@ -155,7 +155,7 @@ def masked_attention(
     qg = q.reshape(B, Hkv, G * Q, D)
     mg = mask[:, :, None].expand(B, Hkv, G, Q, mask.shape[-1]).reshape(B, Hkv, G * Q, -1)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
-    return o.view(B, Hq, Q, D)
+    return o.reshape(B, Hq, Q, D)  # SDPA on CUDA may return a permuted layout
 
 
 def mix_heads(o_fa: torch.Tensor, o_sa: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
