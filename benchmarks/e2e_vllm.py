@@ -127,6 +127,7 @@ def gpu_plan() -> list[dict]:
     el128 = [_ttft(3.5, L, s, label=f"elastic FA-SSA share {s} block 128") for L in (32 * K, 128 * K, 8 * K)
              for s in SHARES]  # fmt: skip
     el128.append(_ttft(3.5, 32 * K, 0.75, reps=1, profile=True, label="elastic FA-SSA share 0.75 block 128 profiled"))
+    el128 += [_decode(3.6, c, b, 0.75, ["dense", "sparse"]) for c, b in ((32 * K, 16), (128 * K, 4))]
     demo_lens = (2 * K, 4 * K, 8 * K - 256)
     qlens = (32 * K, 128 * K, 8 * K)
     # Qwen3-8B decode: the same shapes as Llama's (36 layers: 32K x 16 and 128K x 4 take ~77 GB of KV cache);
