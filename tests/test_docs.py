@@ -153,6 +153,25 @@ def results_rows() -> list[str]:
         f"{pre[(262144, 128, 0.75, 'ours')]['x_vs_flex_hybrid']:.2f}x FlexAttention "
         f"| {_link('benchmarks/results/kernels-h200.json')} |"
     )
+    k = json.loads((RESULTS / "kernels-prefill-fa3-h200.json").read_text())
+    pre = {(r["S"], r["d"], r.get("share"), r["method"]): r for r in k["prefill"]}
+    fa3 = {S: pre[(S, 128, None, "vllm_fa3_dense")] for S in (32768, 131072)}
+    t64 = next(t for t in k["tune"] if t.get("block_m") == 64 and t["block_n"] == 64 and t["d"] == 128)
+    tdef = next(
+        t for t in k["tune"] if t["d"] == 128 and t["bs"] == 128 and t["block_n"] == 128 and not t.get("use_tma")
+    )
+    rows.append(
+        f"| Prefill kernel vs vLLM's FlashAttention-3 (dense causal, same paged cache) | {k['env']['gpu']}, "
+        f"{fa3[32768]['how']}, commit {k['env']['git_commit'][:7]} | FA3 dense {fa3[32768]['ms']:.2f} ms at 32K "
+        f"({fa3[32768]['TFLOPs']:.0f} TFLOP/s), {fa3[131072]['ms']:.1f} ms at 128K ({fa3[131072]['TFLOPs']:.0f}); ours "
+        f"dense {pre[(32768, 128, 0.0, 'ours')]['x_vs_fa3_dense']:.2f}x / {pre[(131072, 128, 0.0, 'ours')]['x_vs_fa3_dense']:.2f}x "
+        f"FA3 ({pre[(131072, 128, 0.0, 'ours')]['TFLOPs']:.0f} TFLOP/s at 128K); Omega_MSR 0.75 "
+        f"{pre[(32768, 128, 0.75, 'ours')]['x_vs_fa3_dense']:.2f}x / {pre[(131072, 128, 0.75, 'ours')]['x_vs_fa3_dense']:.2f}x "
+        f"FA3 dense, {pre[(32768, 128, 0.75, 'ours')]['x_vs_flex_hybrid']:.2f}x / "
+        f"{pre[(131072, 128, 0.75, 'ours')]['x_vs_flex_hybrid']:.2f}x FlexAttention hybrid; 64 x 64 tiles at 4 warps "
+        f"(two programs per SM) {t64['ms_0.0']:.2f} ms dense 32K vs {tdef['ms_0.0']:.2f} ms for the default "
+        f"| {_link('benchmarks/results/kernels-prefill-fa3-h200.json')} |"
+    )
     c = json.loads((RESULTS / "check-kernels-h200.json").read_text())
     ok = sum(r["ok"] for r in c["results"])
     rows.append(
@@ -213,6 +232,24 @@ def results_rows() -> list[str]:
         f"dense 32K x 16 {dc[(32768, 16, 'dense')]['speedup']:.2f}x, 128K x 4 {dc[(131072, 4, 'dense')]['speedup']:.2f}x "
         f"| {_link('benchmarks/results/e2e-vllm-h200-llama-decode.json')} |"
     )
+    for name, what in (
+        (
+            "e2e-vllm-h200-llama-decode-bs128",
+            "Llama-3.1-8B shape, elastic at its CUDA default block 128, FLASH_ATTN at 16",
+        ),
+        ("e2e-vllm-h200-qwen3-decode", "Qwen3-8B shape, block 16"),
+    ):
+        e = json.loads((RESULTS / f"{name}.json").read_text())
+        dc = {(r["ctx"], r["batch"], r["decode_mode"]): r for r in e["summary"]["decode_speedup"]}
+        rows.append(
+            f"| `vllm` decode step, elastic vs FLASH_ATTN ({what}; CUDA graphs, dummy weights) | {e['env']['gpu']}, "
+            f"vLLM {e['env']['vllm']}, commit {e['git_commit'][:7]} | Omega_MSR 0.75, sparse: 32K x 16 "
+            f"{dc[(32768, 16, 'sparse')]['ms_per_step']:.2f} ms vs {dc[(32768, 16, 'sparse')]['flash_attn_ms']:.2f} ms "
+            f"({dc[(32768, 16, 'sparse')]['speedup']:.2f}x), 128K x 4 {dc[(131072, 4, 'sparse')]['ms_per_step']:.2f} vs "
+            f"{dc[(131072, 4, 'sparse')]['flash_attn_ms']:.2f} ms ({dc[(131072, 4, 'sparse')]['speedup']:.2f}x); dense "
+            f"32K x 16 {dc[(32768, 16, 'dense')]['speedup']:.2f}x, 128K x 4 {dc[(131072, 4, 'dense')]['speedup']:.2f}x "
+            f"| {_link(f'benchmarks/results/{name}.json')} |"
+        )
     e = json.loads((RESULTS / "e2e-vllm-h200-qwen3.json").read_text())
     tt = {(r["len"], r["share"]): r for r in e["summary"]["ttft_speedup"] if r["budget_tokens"] == 16384}
     rows.append(
@@ -341,8 +378,13 @@ def results_rows() -> list[str]:
         + "; ".join(f"{t['measured']} ({'met' if t['met'] else 'not met'})" for t in a["targets"])
         + f" | {_link('benchmarks/results/accuracy-smollm2-h200/results.md')} |"
     )
-    a = json.loads((RESULTS / "accuracy-smollm2-xa-h200" / "results.json").read_text())
-    t8 = {m: a["table"][m]["8192"] for m in a["table"]}
+
+    def table8(name):
+        """An accuracy run's results.json and its 8K cells by method."""
+        a = json.loads((RESULTS / name / "results.json").read_text())
+        return a, {m: a["table"][m]["8192"] for m in a["table"]}
+
+    a, t8 = table8("accuracy-smollm2-xa-h200")
 
     def cell(m, k):
         c = t8[m][k]
@@ -356,8 +398,7 @@ def results_rows() -> list[str]:
         f"{t8['dense']['robust_avg']['score']:.1f}, FA-XA {cell('FA-XA', 'robust_avg')}, XA-SSA "
         f"{cell('XA-SSA', 'robust_avg')} | {_link('benchmarks/results/accuracy-smollm2-xa-h200/results.md')} |"
     )
-    a = json.loads((RESULTS / "accuracy-smollm2-sparse-decode-h200" / "results.json").read_text())
-    t8 = {m: a["table"][m]["8192"] for m in a["table"]}
+    a, t8 = table8("accuracy-smollm2-sparse-decode-h200")
     rows.append(
         "| RULER + robust tasks at 8K, router s040 with sparse decode (SA heads read only sink + window while "
         f"generating; SmolLM2) | {a['provenance']['gpu']} | RULER: dense {t8['dense']['ruler_avg']['score']:.1f}, "
@@ -365,6 +406,33 @@ def results_rows() -> list[str]:
         f"elastic-sparse {cell('elastic-sparse', 'robust_avg')} "
         f"| {_link('benchmarks/results/accuracy-smollm2-sparse-decode-h200/results.md')} |"
     )
+    a, t8 = table8("accuracy-smollm2-static-all-h200")
+    rows.append(
+        "| RULER + robust tasks at 8K, router s040 vs the static hybrid matched to Elastic's whole-run Omega_MSR "
+        f"(`--static-match all`; SmolLM2) | {a['provenance']['gpu']} | static at Omega_MSR "
+        f"{a['static_hybrid']['omega_msr']:.3f}: RULER dense {t8['dense']['ruler_avg']['score']:.1f}, elastic "
+        f"{cell('elastic', 'ruler_avg')}, static {cell('static', 'ruler_avg')}; robust: elastic "
+        f"{cell('elastic', 'robust_avg')}, static {cell('static', 'robust_avg')} "
+        f"| {_link('benchmarks/results/accuracy-smollm2-static-all-h200/results.md')} |"
+    )
+    for name, L in (("accuracy-smollm2-4k-triton-h200", "4096"), ("accuracy-smollm2-8k-triton-h200", "8192")):
+        a = json.loads((RESULTS / name / "results.json").read_text())
+        tl = {m: a["table"][m][L] for m in a["table"]}
+        meth = [m for m in ("elastic", "static") if m in tl]
+        rows.append(
+            f"| RULER + robust tasks at {int(L) // 1024}K through the transformers engine's Triton path "
+            f"(`--impl {a['options']['impl']}`: the csrc kernels), router s040 (SmolLM2) | {a['provenance']['gpu']} | "
+            f"RULER: dense {tl['dense']['ruler_avg']['score']:.1f}, "
+            + ", ".join(
+                f"{m} {tl[m]['ruler_avg']['score']:.1f} at Omega_MSR {tl[m]['ruler_avg']['omega_msr']:.2f}"
+                for m in meth
+            )
+            + f"; robust: dense {tl['dense']['robust_avg']['score']:.1f}, "
+            + ", ".join(
+                f"{m} {tl[m]['robust_avg']['score']:.1f} at {tl[m]['robust_avg']['omega_msr']:.2f}" for m in meth
+            )
+            + f"; whole run {a['wall_s']:.0f} s | {_link(f'benchmarks/results/{name}/results.md')} |"
+        )
     m = json.loads((RESULTS / "router-check-gpu-smollm2-s040" / "measure.json").read_text())
     cat = m["omega"]["omega_msr_by_category"]
     rows.append(
