@@ -467,6 +467,18 @@ def results_rows() -> list[str]:
         f"{ra['elastic-sparse']['omega_msr']:.3f}, all-SA {ra['all-SA']['score']:.1f} "
         f"| {_link('benchmarks/results/dev/accuracy-4-h200-sparse-allsa/results.md')} |"
     )
+    a = json.loads((RESULTS / "dev" / "accuracy-6-h200-4k-allsa-partial" / "results.json").read_text())
+    t4 = {m: a["table"][m]["4096"] for m in a["table"]}
+    es = t4["elastic-sparse"]["ruler_avg"]
+    rows.append(
+        f"| dev: RULER + robust tasks at 4K, all-SA and router s040 with sparse decode, `--impl {a['options']['impl']}` "
+        f"(SmolLM2; cut by its time budget, {len(a['skipped'])} cells skipped: FA-XA and XA-SSA not run) | "
+        f"{a['provenance']['gpu']} | all-SA: RULER {t4['all-SA']['ruler_avg']['score']:.1f}, robust "
+        f"{t4['all-SA']['robust_avg']['score']:.1f} (dense {t4['dense']['ruler_avg']['score']:.1f} / "
+        f"{t4['dense']['robust_avg']['score']:.1f}); elastic-sparse {es['score']:.1f} at Omega_MSR {es['omega_msr']:.2f} "
+        f"on only {es['n_tasks']} of 13 RULER tasks (no average to compare) "
+        f"| {_link('benchmarks/results/dev/accuracy-6-h200-4k-allsa-partial/results.md')} |"
+    )
     so = json.loads((RESULTS / "soak-cpu.json").read_text())
     rows.append(
         f"| Soak of `vllm serve --attention-backend elastic` (demo model, mixed auto / all-FA / all-SA) | "
