@@ -654,6 +654,23 @@ def test_readme_static_match_numbers_come_from_the_committed_samples():
     assert f"all {len(el)} samples of\n  that run is {om:.3f} ({macro:.3f} task-macro)" in README.read_text()
 
 
+def test_readme_retrieval_mass_numbers_come_from_the_static_run():
+    """The share of the retrieval score that the static hybrid's FA heads hold, recomputed from its results.json."""
+    a = json.loads((RESULTS / "accuracy-smollm2-static-all-h200" / "results.json").read_text())
+    st = a["static_hybrid"]
+    scores = [x for row in st["retrieval_scores"] for x in row]
+    fa = [f for row in st["is_fa"] for f in row]
+    total = sum(scores)
+    kept = sum(x for x, f in zip(scores, fa) if f) / total
+    top15 = sum(sorted(scores, reverse=True)[:15]) / total
+    text = " ".join(README.read_text().split())
+    want = (
+        f"keeps the {sum(fa)} of the {len(fa)} KV heads that score highest on retrieval FA, and on this model those "
+        f"hold {kept:.1%} of the retrieval score (the top 15 alone {top15:.1%})"
+    )
+    assert want in text, want
+
+
 def test_picture_and_links_exist():
     text = README.read_text()
     assert "docs/elastic-attention.svg" in text
