@@ -8,6 +8,9 @@
 #   bash scripts/gpu_session.sh check_train # check_vllm.py (P4) and router training (P3) side by side
 #   bash scripts/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7)
 #   bash scripts/gpu_session.sh eval        # benchmarks/accuracy.py (P6) with the router trained in check_train
+#   bash scripts/gpu_session.sh gguf_part   # no vLLM: the eval's model in pieces (scripts/gpu_gguf.sh builds
+#   bash scripts/gpu_session.sh eval_gguf   # .gpu-gguf/p1..p3), one call per piece (carry .gpu-gguf/pN), the last
+#                                           # with eval_gguf (carry .gpu-gguf/p3 .whl): ~2 min less than staging vLLM
 #   bash scripts/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2)
 #   bash scripts/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (scripts/ab_prep.sh)
 # Two-GPU machine (nvidia-h200-x2), trainers in the background while vLLM is staged and checked:
@@ -24,7 +27,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 ELASTIC_VLLM_CACHE=/tmp/evc
 # the lent multi-GPU machines' policy: NVLink multicast stays off
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD
-GGUF=/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF=${GGUF:-/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf}
 OUT=${OUT:-/tmp/out}
 demo() { python3 -c "from elastic_vllm.models import fetch_demo_model; print(fetch_demo_model(gguf='$GGUF', quiet=True))"; }
 step=${1:?step}
@@ -38,6 +41,27 @@ case "$step" in
   unpack)
     bash /tmp/stage/unpack.sh
     demo ;;
+  gguf_part)
+    # eval without vLLM (scripts/gpu_gguf.sh builds .gpu-gguf/p1..pN): the carried part's piece of the GGUF to
+    # $GG_DIR, its wheels (pydantic, in p1) to /tmp/gsite; once every piece is there, an import check
+    gg=${GG_DIR:-/tmp/gg}
+    mkdir -p "$gg"
+    for d in .gpu-gguf/p*; do
+      [ -d "$d" ] || continue
+      cp "$d"/gg.* "$gg/"
+      if [ -d "$d/whl" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gsite "$d"/whl/*.whl; fi
+    done
+    ls -l "$gg" ;;
+  eval_gguf)
+    # the GGUF whole again from every piece (name order), the model converted, then accuracy.py as in `eval`
+    gg=${GG_DIR:-/tmp/gg}
+    mkdir -p "$(dirname "$GGUF")" && cat "$gg"/gg.* > "$GGUF"
+    [ -n "${GGUF_ONLY:-}" ] && { sha256sum "$GGUF"; exit 0; }
+    python3 -m pip install -q --no-index --no-deps --target /tmp/gsite .whl/gguf-*.whl
+    M=$(demo)
+    python3 benchmarks/accuracy.py --model "$M" --router "${ROUTER:?ROUTER: a router folder}" --lengths ${LENGTHS:-4096 8192} \
+      --samples ${SAMPLES:-20} --out "$OUT/accuracy" --device cuda --time-budget ${BUDGET:-300} \
+      ${METHODS:+--methods $METHODS} ${IMPL:+--impl $IMPL} 2>&1 | grep -v Warning | tail -40 ;;
   train_only)
     # router training alone, without vLLM: the GGUF travels in two halves (.gpu-gguf/a then .gpu-gguf/b,
     # `split -n 2 -d GGUF`), reassembled here; back: the 7 files of gpu_train_smollm2.sh
