@@ -433,6 +433,15 @@ def results_rows() -> list[str]:
             )
             + f"; whole run {a['wall_s']:.0f} s | {_link(f'benchmarks/results/{name}/results.md')} |"
         )
+    g = json.loads((RESULTS / "agreement-h200-smollm2-8k-torch-vs-triton.json").read_text())
+    gd, ge = g["methods"]["dense"], g["methods"]["elastic"]
+    rows.append(
+        f"| The transformers engine's torch path vs its Triton path, sample by sample (8K, router s040, bf16; "
+        f"`benchmarks/compare_evals.py`) | {g['a']['gpu']} | dense: {gd['pred_differs']} of {gd['matched']} "
+        f"predictions differ, {gd['score_differs']} scores; elastic: {ge['pred_differs']} predictions, "
+        f"{ge['score_differs']} scores, {ge['routing_differs']} realized Omega_MSR values; mean Omega_MSR {ge['mean_omega_msr_a']:.3f} vs {ge['mean_omega_msr_b']:.3f} "
+        f"| {_link('benchmarks/results/agreement-h200-smollm2-8k-torch-vs-triton.json')} |"
+    )
     m = json.loads((RESULTS / "router-check-gpu-smollm2-s040" / "measure.json").read_text())
     cat = m["omega"]["omega_msr_by_category"]
     rows.append(
