@@ -109,8 +109,8 @@ def demo_tasks(prio: int, lens, reps: int = 3) -> list[dict]:
 def gpu_plan() -> list[dict]:
     """Priorities: 1 Llama TTFT 32K/128K (FLASH_ATTN, elastic 0.75; 0.5 at 32K) - 2 the same at 8K and 0.5
     at 128K; 2.5 one profiled 8K request each - 3 decode 32Kx16 / 128Kx4 (FLASH_ATTN; elastic 0.75 dense and
-    sparse) - 3.5 elastic at block size 128 - 4 demo model (auto routing FA-SSA, FA-XA, XA-SSA) - 5 TRITON_ATTN
-    8K/32K - 6 serve-default budget 8192 - 7 Qwen3-8B - 8 256K. A baseline-only job of a pair (demo, Qwen3, 256K) gets +0.5, so that it runs only when the
+    sparse) - 3.5 elastic at block size 128 (3.6 its decode, 3.8 FA-XA / XA-SSA) - 4 demo model (auto routing
+    FA-SSA, FA-XA, XA-SSA) - 5 TRITON_ATTN 8K/32K - 6 serve-default budget 8192 - 7 Qwen3-8B - 8 256K. A baseline-only job of a pair (demo, Qwen3, 256K) gets +0.5, so that it runs only when the
     elastic job after it fits too."""
     L8, Q8 = "llama-3.1-8b", "qwen3-8b"
     mml = 128 * K + MARGIN
@@ -128,6 +128,9 @@ def gpu_plan() -> list[dict]:
              for s in SHARES]  # fmt: skip
     el128.append(_ttft(3.5, 32 * K, 0.75, reps=1, profile=True, label="elastic FA-SSA share 0.75 block 128 profiled"))
     el128 += [_decode(3.6, c, b, 0.75, ["dense", "sparse"]) for c, b in ((32 * K, 16), (128 * K, 4))]
+    # the XAttention modes at the 8B shape: FA-XA (the SA share's heads run XA) and XA-SSA (the FA share's heads do)
+    el128 += [_ttft(3.8, L, 0.75, reps=1, mode=m, label=f"elastic {m} share 0.75 block 128")
+              for m in ("FA-XA", "XA-SSA") for L in (32 * K, 128 * K)]  # fmt: skip
     demo_lens = (2 * K, 4 * K, 8 * K - 256)
     qlens = (32 * K, 128 * K, 8 * K)
     # Qwen3-8B decode: the same shapes as Llama's (36 layers: 32K x 16 and 128K x 4 take ~77 GB of KV cache);
@@ -168,7 +171,8 @@ def dry_plan(has_demo: bool) -> list[dict]:
     base = [_ttft(1, 512), _ttft(2, 256, reps=2), _decode(3, 256, 2, steps=4), _ttft(6, 512, budget_tokens=128, reps=1)]
     el = [_ttft(1, 512, 0.75), _ttft(1, 512, 0.5, reps=1), _decode(3, 256, 2, 0.75, ["dense", "sparse"], steps=4),
           _ttft(3.5, 256, 0.5, reps=1, profile=True, label="elastic profiled"),
-          _ttft(4, 256, reps=1, mode="FA-XA"), _ttft(6, 512, 0.75, budget_tokens=128, reps=1)]  # fmt: skip
+          _ttft(4, 256, reps=1, mode="FA-XA"), _ttft(4, 256, 0.75, reps=1, mode="XA-SSA"),
+          _ttft(6, 512, 0.75, budget_tokens=128, reps=1)]  # fmt: skip
     jobs = [
         _job("llama8b-cpu-attn", L8, "CPU_ATTN", base, 1024, graphs=False),
         _job("llama8b-elastic", L8, "elastic", el, 1024, graphs=False, extra=w),
@@ -208,7 +212,14 @@ def est_ttft(model: str, backend: str, length: int, share: float | None, dry: bo
 def est_task(job: dict, t: dict, dry: bool) -> float:
     m, b = job["model"], job["backend"]
     if t["kind"] == "ttft":
-        return 1.2 * t["reps"] * est_ttft(m, b, t["len"], t["share"], dry) + 1.0
+        s = t["share"]
+        if t.get("mode") in ("FA-XA", "XA-SSA") and s is not None and not dry:
+            # XA heads (FA-XA's SA share, XA-SSA's FA share) counted as dense ones: block selection + the
+            # selected blocks, no XA rate measured at these sizes yet; so only XA-SSA's SSA share is cheap.
+            # Plus the mode switch's warm-up request.
+            sec = est_ttft(m, b, t["len"], 0.0 if t["mode"] == "FA-XA" else s, dry)
+            return 1.2 * t["reps"] * sec + 8.0
+        return 1.2 * t["reps"] * est_ttft(m, b, t["len"], s, dry) + 1.0
     n_modes = len(t["decode_modes"] or [None])
     prefill = t["batch"] * est_ttft(m, b, t["ctx"], t["share"], dry)
     return 1.2 * prefill + n_modes * (t["steps"] + 6) * (0.2 if dry else 0.04) + 3.0

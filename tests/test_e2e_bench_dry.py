@@ -216,6 +216,8 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert ("elastic FA-SSA share 0.75", 512, 128) in rows  # the serve-default budget path
     xa = rows[("elastic FA-XA auto", 256, 256)]
     assert xa["mode"] == "FA-XA" and xa["mode_switch"] == "in-process"
+    xs = rows[("elastic XA-SSA share 0.75", 256, 256)]  # a fixed share in an XA mode (the 8B jobs' XA rows)
+    assert xs["mode"] == "XA-SSA" and set(xs["omega_msr"]) == {0.75}
     dec = {r["decode_mode"]: r for r in d["decode"]}
     assert set(dec) == {"dense", "sparse"} and all(min(r["tokens_per_request"]) >= 4 for r in dec.values())
     prof = rows[("elastic profiled", 256, 256)]["profile"]
