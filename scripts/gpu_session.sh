@@ -43,7 +43,7 @@ case "$step" in
     demo ;;
   gguf_part)
     # eval without vLLM (scripts/gpu_gguf.sh builds .gpu-gguf/p1..pN): the carried part's piece of the GGUF to
-    # $GG_DIR, its wheels (pydantic, in p1) to /tmp/gsite; once every piece is there, an import check
+    # $GG_DIR, its wheels (pydantic, in p1) to /tmp/gsite
     gg=${GG_DIR:-/tmp/gg}
     mkdir -p "$gg"
     for d in .gpu-gguf/p*; do
@@ -53,15 +53,13 @@ case "$step" in
     done
     ls -l "$gg" ;;
   eval_gguf)
-    # the GGUF whole again from every piece (name order), the model converted, then accuracy.py as in `eval`
+    # the GGUF whole again from every piece (name order), then the `eval` step (it converts the model)
     gg=${GG_DIR:-/tmp/gg}
     mkdir -p "$(dirname "$GGUF")" && cat "$gg"/gg.* > "$GGUF"
     [ -n "${GGUF_ONLY:-}" ] && { sha256sum "$GGUF"; exit 0; }
     python3 -m pip install -q --no-index --no-deps --target /tmp/gsite .whl/gguf-*.whl
-    M=$(demo)
-    python3 benchmarks/accuracy.py --model "$M" --router "${ROUTER:?ROUTER: a router folder}" --lengths ${LENGTHS:-4096 8192} \
-      --samples ${SAMPLES:-20} --out "$OUT/accuracy" --device cuda --time-budget ${BUDGET:-300} \
-      ${METHODS:+--methods $METHODS} ${IMPL:+--impl $IMPL} 2>&1 | grep -v Warning | tail -40 ;;
+    : "${ROUTER:?ROUTER: a router folder}"
+    exec bash "$0" eval ;;
   train_only)
     # router training alone, without vLLM: the GGUF travels in two halves (.gpu-gguf/a then .gpu-gguf/b,
     # `split -n 2 -d GGUF`), reassembled here; back: the 7 files of gpu_train_smollm2.sh

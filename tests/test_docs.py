@@ -379,12 +379,12 @@ def results_rows() -> list[str]:
         + f" | {_link('benchmarks/results/accuracy-smollm2-h200/results.md')} |"
     )
 
-    def table8(name):
-        """An accuracy run's results.json and its 8K cells by method."""
+    def table(name, length="8192"):
+        """An accuracy run's results.json and its cells at one length, by method."""
         a = json.loads((RESULTS / name / "results.json").read_text())
-        return a, {m: a["table"][m]["8192"] for m in a["table"]}
+        return a, {m: a["table"][m][length] for m in a["table"]}
 
-    a, t8 = table8("accuracy-smollm2-xa-h200")
+    a, t8 = table("accuracy-smollm2-xa-h200")
 
     def cell(m, k):
         c = t8[m][k]
@@ -398,7 +398,7 @@ def results_rows() -> list[str]:
         f"{t8['dense']['robust_avg']['score']:.1f}, FA-XA {cell('FA-XA', 'robust_avg')}, XA-SSA "
         f"{cell('XA-SSA', 'robust_avg')} | {_link('benchmarks/results/accuracy-smollm2-xa-h200/results.md')} |"
     )
-    a, t8 = table8("accuracy-smollm2-sparse-decode-h200")
+    a, t8 = table("accuracy-smollm2-sparse-decode-h200")
     rows.append(
         "| RULER + robust tasks at 8K, router s040 with sparse decode (SA heads read only sink + window while "
         f"generating; SmolLM2) | {a['provenance']['gpu']} | RULER: dense {t8['dense']['ruler_avg']['score']:.1f}, "
@@ -406,7 +406,7 @@ def results_rows() -> list[str]:
         f"elastic-sparse {cell('elastic-sparse', 'robust_avg')} "
         f"| {_link('benchmarks/results/accuracy-smollm2-sparse-decode-h200/results.md')} |"
     )
-    a, t8 = table8("accuracy-smollm2-static-all-h200")
+    a, t8 = table("accuracy-smollm2-static-all-h200")
     rows.append(
         "| RULER + robust tasks at 8K, router s040 vs the static hybrid matched to Elastic's whole-run Omega_MSR "
         f"(`--static-match all`; SmolLM2) | {a['provenance']['gpu']} | static at Omega_MSR "
@@ -416,8 +416,7 @@ def results_rows() -> list[str]:
         f"| {_link('benchmarks/results/accuracy-smollm2-static-all-h200/results.md')} |"
     )
     for name, L in (("accuracy-smollm2-4k-triton-h200", "4096"), ("accuracy-smollm2-8k-triton-h200", "8192")):
-        a = json.loads((RESULTS / name / "results.json").read_text())
-        tl = {m: a["table"][m][L] for m in a["table"]}
+        a, tl = table(name, L)
         meth = [m for m in ("elastic", "static") if m in tl]
         rows.append(
             f"| RULER + robust tasks at {int(L) // 1024}K through the transformers engine's Triton path "
@@ -476,8 +475,7 @@ def results_rows() -> list[str]:
         f"{ra['elastic-sparse']['omega_msr']:.3f}, all-SA {ra['all-SA']['score']:.1f} "
         f"| {_link('benchmarks/results/dev/accuracy-4-h200-sparse-allsa/results.md')} |"
     )
-    a = json.loads((RESULTS / "dev" / "accuracy-6-h200-4k-allsa-partial" / "results.json").read_text())
-    t4 = {m: a["table"][m]["4096"] for m in a["table"]}
+    a, t4 = table("dev/accuracy-6-h200-4k-allsa-partial", "4096")
     es = t4["elastic-sparse"]["ruler_avg"]
     rows.append(
         f"| dev: RULER + robust tasks at 4K, all-SA and router s040 with sparse decode, `--impl {a['options']['impl']}` "
