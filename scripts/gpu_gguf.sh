@@ -11,7 +11,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=${1:-.gpu-gguf}
 parts=${2:-3}
-grep -qx "/.gpu-gguf/" .git/info/exclude 2>/dev/null || echo "/.gpu-gguf/" >> .git/info/exclude
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 gguf=${GGUF_FILE:-}
@@ -30,7 +29,7 @@ if [ -z "${NO_WHEELS:-}" ]; then
   mkdir -p "$dest/p1/whl"
   # shellcheck disable=SC2086
   python3 -m pip download -q --no-deps $plat -d "$dest/p1/whl" $pyd annotated-types typing-inspection
-  mkdir -p .whl && { grep -qx "/.whl/" .git/info/exclude || echo "/.whl/" >> .git/info/exclude; }
+  mkdir -p .whl
   # shellcheck disable=SC2086
   ls .whl/gguf-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps $plat -d .whl gguf
 fi
