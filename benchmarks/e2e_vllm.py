@@ -1063,16 +1063,16 @@ def run_report(args) -> int:
     src = Path(args.report)
     d = json.loads(src.read_text())
     plots = plot(d, src.parent, src.stem)
-    readme = Path(args.readme) if args.readme else None
-    rel = [os.path.relpath(p, readme.parent) if readme else str(p) for p in plots]
-    md = markdown(d, rel)
+    md = markdown(d, [p.name for p in plots])  # the .md lies beside its plots: links relative to it
     src.with_suffix(".md").write_text(md)
+    readme = Path(args.readme) if args.readme else None
     if readme is not None and readme.exists():
         text = readme.read_text()
         if BEGIN in text and END in text:
             a, rest = text.split(BEGIN, 1)
             _, b = rest.split(END, 1)
-            readme.write_text(f"{a}{BEGIN}\n{md}{END}{b}")
+            section = markdown(d, [os.path.relpath(p, readme.parent) for p in plots])
+            readme.write_text(f"{a}{BEGIN}\n{section}{END}{b}")
     print(md)
     return 0
 

@@ -691,6 +691,25 @@ def test_picture_and_links_exist():
         assert anchor in slugs, f"README links to a missing section: #{anchor}"
 
 
+def test_every_markdown_link_resolves_from_its_own_file():
+    """Relative links in every Markdown file of the tree (results reports included) point at files that exist,
+    read from the folder of the file that holds them (code blocks left out)."""
+
+    def ours(rel: Path) -> bool:  # not a hidden, build or carry folder (.git, .pytest_cache, .abtest, ...)
+        return not any(x.startswith(".") or x in ("build", "dist", "node_modules") or x.endswith(".egg-info")
+                       for x in rel.parts[:-1])  # fmt: skip
+
+    docs = [p for p in ROOT.rglob("*.md") if ours(p.relative_to(ROOT))]
+    assert len(docs) > 20 and ROOT / "benchmarks" / "results" / "e2e-vllm-h200-llama.md" in docs
+    missing = []
+    for md in docs:
+        text = re.sub(r"```.*?```", "", md.read_text(errors="replace"), flags=re.S)
+        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", text):
+            if not (md.parent / target).exists():
+                missing.append(f"{md.relative_to(ROOT)} -> {target}")
+    assert not missing, missing
+
+
 # --- tests: Dockerfiles -------------------------------------------------------------------------------------------
 def _hadolint() -> str:
     exe = shutil.which("hadolint")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,11 @@ def test_report_writes_markdown_plots_and_readme_section(e2e, tmp_path):
     assert "| llama-3.1-8b | 128K | 16384 | elastic FA-SSA share 0.75 | 7.000 | 1.49x |" in text
     assert "results/e2e-ttft-speedup.png" in text and (tmp_path / "results" / "e2e-ttft-speedup.png").stat().st_size
     assert (tmp_path / "results" / "e2e-decode-speedup.png").is_file() and res.with_suffix(".md").is_file()
+    # every picture link resolves from the file it is in: the README section from README's folder, the
+    # standalone .md (beside its plots) from results/
+    for md in (readme, res.with_suffix(".md")):
+        links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md.read_text())
+        assert len(links) == 2 and all((md.parent / link).is_file() for link in links), (md, links)
 
 
 def e2e_summary_rows(d: dict) -> list[dict]:
