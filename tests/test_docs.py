@@ -644,6 +644,14 @@ def test_results_rows_match_the_json_files():
         assert (ROOT / link).is_file(), link
 
 
+def test_exercised_table_counts_the_committed_gpu_checks():
+    """'Where things were exercised' gives the GPU kernel checks as passed / run of check-kernels-h200.json."""
+    res = json.loads((ROOT / "benchmarks" / "results" / "check-kernels-h200.json").read_text())["results"]
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| Triton kernels |"))
+    want = f"{sum(1 for r in res if r['ok'])} / {len(res)} correctness checks"
+    assert want in row, (want, row)
+
+
 def test_readme_static_match_numbers_come_from_the_committed_samples():
     """The whole-workload Omega_MSR quoted for --static-match all, recomputed from the 8K run's samples."""
     import gzip
