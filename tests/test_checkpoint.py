@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,6 +153,16 @@ def test_converter_errors(tmp_path):
     save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(tmp_path / "empty" / "model.safetensors"))
     with pytest.raises(RouterCheckpointError, match="no router tensors"):
         convert_authors_checkpoint(tmp_path / "empty", tmp_path / "o")
+    # a layer count in config.json that the tensors do not match: named, before a router is sized by it (2**40
+    # used to allocate a router of 2**40 layers)
+    src = tmp_path / "a"
+    _authors_checkpoint(src, L=2)
+    cfg = json.loads((src / "config.json").read_text())
+    for n in (2**40, 3, 1):
+        (src / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n}))
+        msg = _fails_cleanly_in_bounded_memory("convert_authors_checkpoint(sys.argv[1], sys.argv[2])", str(src),
+                                               str(tmp_path / "o"))  # fmt: skip
+        assert f"num_hidden_layers={n}, but" in msg and "tensors for 2 layers" in msg, msg
 
 
 def test_cli_convert(tmp_path, capsys):
@@ -177,6 +189,42 @@ def test_huge_metadata_shape_fails_cleanly(tmp_path):
     (tmp_path / "router.json").write_text(json.dumps(m))
     with pytest.raises(RouterCheckpointError, match="expected"):
         load_router(tmp_path)
+
+
+LIMITED = (
+    "import resource, sys\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
+    "from elastic_vllm.router.checkpoint import RouterCheckpointError, load_router\n"
+    "from elastic_vllm.router.convert import convert_authors_checkpoint\n"
+    "try:\n"
+    "    {call}\n"
+    "except RouterCheckpointError as e:\n"
+    "    print(e)\n"
+    "    sys.exit(3)\n"
+)
+
+
+def _fails_cleanly_in_bounded_memory(call: str, *args: str) -> str:
+    """Run ``call`` in a subprocess under a 6 GiB address-space limit (a regression that sizes something by a
+    corrupted count fails with MemoryError instead of taking the machine down); it must raise
+    RouterCheckpointError. Returns the error's message."""
+    r = subprocess.run([sys.executable, "-c", LIMITED.format(call=call), *args], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 3, r.stderr[-2000:]
+    return r.stdout
+
+
+@pytest.mark.parametrize("n_layers", [2**40, 3, 1])
+def test_metadata_layer_count_is_checked_against_the_file_first(tmp_path, n_layers):
+    """A router.json claiming more (or fewer) layers than the file holds fails by name, before anything is sized
+    by that count: 2**40 layers used to enumerate 10 * 2**40 expected tensor names and ran out of memory (found
+    by test_fuzz's metadata fuzzing)."""
+    save_router(ElasticRouter(2, 16), tmp_path, _meta(L=2))
+    m = json.loads((tmp_path / "router.json").read_text())
+    m["backbone"]["num_layers"] = n_layers
+    (tmp_path / "router.json").write_text(json.dumps(m))
+    msg = _fails_cleanly_in_bounded_memory("load_router(sys.argv[1])", str(tmp_path))
+    assert f"num_layers={n_layers}" in msg and "tensors for 2 layers" in msg, msg
 
 
 def test_input_norm_round_trip_and_effect(tmp_path):

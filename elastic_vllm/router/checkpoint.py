@@ -232,6 +232,14 @@ def load_router(
         tensors = load_file(str(wpath))
     except (SafetensorError, OSError, ValueError) as e:
         raise RouterCheckpointError(f"{wpath} is truncated or corrupted: {e}") from None
+    # the layer count from router.json is checked against the file before anything is sized by it (a corrupted
+    # count of 2**40 would otherwise enumerate 10 * 2**40 expected names)
+    file_layers = {k.split(".", 2)[1] for k in tensors if k.startswith("layers.") and k.count(".") >= 2}
+    if len(file_layers) != meta.backbone.num_layers:
+        raise RouterCheckpointError(
+            f"{wpath}: {META_FILE} says num_layers={meta.backbone.num_layers}, but the file holds tensors for "
+            f"{len(file_layers)} layers"
+        )
     expected = expected_shapes(meta.backbone.num_layers, meta.backbone.head_dim, meta.hidden_mult)
     norm_shape = (meta.backbone.num_layers, meta.backbone.num_kv_heads, meta.backbone.head_dim)
     if NORM_KEYS & set(tensors):  # optional input standardization: both tensors or neither

@@ -93,7 +93,13 @@ def convert_authors_checkpoint(src: str | Path, out: str | Path, backbone_id: st
         raise RouterCheckpointError(
             f"{src}: no router tensors (model.layers.*.self_attn.mask_allocator.*) found in {len(files)} file(s)"
         )
-    num_layers = int(text_cfg.get("num_hidden_layers", 1 + max(int(k.split(".")[1]) for k in tensors)))
+    file_layers = sorted({int(k.split(".")[1]) for k in tensors})
+    num_layers = int(text_cfg.get("num_hidden_layers", len(file_layers)))
+    if num_layers != len(file_layers) or file_layers != list(range(num_layers)):  # before anything is sized by it
+        raise RouterCheckpointError(
+            f"{src}: config.json says num_hidden_layers={num_layers}, but the checkpoint holds router tensors for "
+            f"{len(file_layers)} layers (indices {file_layers[0]}..{file_layers[-1]}); a router is needed in every layer"
+        )
     head_dim = tensors["layers.0.cls_feat_extractor.0.weight"].shape[1]
     hidden = tensors["layers.0.cls_feat_extractor.0.weight"].shape[0]
     if hidden % head_dim:
