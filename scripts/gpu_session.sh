@@ -153,7 +153,7 @@ case "$step" in
     M=$(demo)
     R=""; [ -d /tmp/router ] && R="--demo-router /tmp/router"
     CUDA_VISIBLE_DEVICES=${E2E_GPU:-0} python3 benchmarks/e2e_vllm.py --out "$OUT/e2e.json" --demo-model "$M" $R \
-      --budget ${BUDGET:-400} ${E2E_JOBS:+--jobs $E2E_JOBS} ${E2E_KINDS:+--kinds $E2E_KINDS} 2>&1 | tail -40
+      --budget ${BUDGET:-400} ${E2E_JOBS:+--jobs $E2E_JOBS} ${E2E_KINDS:+--kinds $E2E_KINDS} ${E2E_MIN_PRIO:+--min-prio $E2E_MIN_PRIO} 2>&1 | tail -40
     tar -C "$OUT" -czf "$OUT/e2e_logs.tgz" e2e_logs 2>/dev/null && rm -rf "$OUT/e2e_logs" || true ;;
   eval)
     M=$(demo)

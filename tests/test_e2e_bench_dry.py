@@ -174,6 +174,24 @@ def test_merge_joins_runs_of_one_session_and_refuses_mismatches(e2e, tmp_path):
     assert r.returncode == 2 and "CPU-dry" in r.stderr
 
 
+def test_select_keeps_the_rows_a_later_session_adds(e2e):
+    """--jobs / --kinds / --min-prio on the real GPU plan: the filter the next device call uses picks exactly the
+    TTFT rows not yet measured (the serve-default 8192-token budget at priority 6, the XA modes at 3.8)."""
+    jobs = e2e.select(e2e.gpu_plan(), "llama8b-flash,llama8b-elastic", "ttft", 3.8)
+    got = {(j["name"], t["len"], t["share"], t["mode"], t["budget_tokens"]) for j in jobs for t in j["tasks"]}
+    K = 1024
+    want = {("llama8b-flash", L, None, None, 8192) for L in (32 * K, 128 * K)}
+    want |= {("llama8b-elastic", L, 0.75, None, 8192) for L in (32 * K, 128 * K)}
+    want |= {("llama8b-elastic-bs128", L, 0.75, m, None) for L in (32 * K, 128 * K) for m in ("FA-XA", "XA-SSA")}
+    assert got == want
+    assert [j["name"] for j in jobs] == ["llama8b-flash", "llama8b-elastic", "llama8b-elastic-bs128"]
+    everything = e2e.gpu_plan()
+    assert e2e.select(everything, None, None, None) == everything
+    assert all(t["kind"] == "decode" for j in e2e.select(everything, None, "decode", None) for t in j["tasks"])
+    with pytest.raises(SystemExit, match="unknown kind"):
+        e2e.select(everything, None, "prefill", None)
+
+
 def test_report_writes_markdown_plots_and_readme_section(e2e, tmp_path):
     pytest.importorskip("matplotlib")
     res = tmp_path / "results" / "e2e.json"
