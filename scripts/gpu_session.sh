@@ -14,7 +14,8 @@
 #   bash scripts/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2)
 #   bash scripts/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (scripts/ab_prep.sh)
 # Two-GPU machine (nvidia-h200-x2), trainers in the background while vLLM is staged and checked:
-#   train_only (carry .gpu-gguf/a .gpu-carry .whl), then `train_bg` (carry .gpu-gguf/b .whl): recipes
+#   train_only per GGUF piece but the last (carry .gpu-gguf/p1 .gpu-carry .whl, then p2), then `train_bg` (carry the
+#   last piece, .gpu-gguf/p3, and .whl; pieces from scripts/gpu_gguf.sh): recipes
 #   VARIANT_A / VARIANT_B start detached on GPU $TRAIN_GPU from a copy of the tree (/tmp/tree-train);
 #   stage 1..5 + unpack; check (CHECKS on GPU 0); collect_train (waits, tars, picks /tmp/router);
 #   fsdp (torchrun over both GPUs with VARIANT_A's recipe and step count, compared with run A) + tp
@@ -29,6 +30,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD
 GGUF=${GGUF:-/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf}
 OUT=${OUT:-/tmp/out}
+GG=${GG_DIR:-/tmp/gg}  # the GGUF's pieces (scripts/gpu_gguf.sh) gathered over several calls
+gguf_collect() {  # this call's pieces of .gpu-gguf/* to $GG; a piece's wheels (whl/) to /tmp/gsite
+  mkdir -p "$GG"
+  for d in .gpu-gguf/*/; do
+    [ -d "$d" ] || continue
+    cp "$d"gg.* "$GG/"
+    if [ -d "${d}whl" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gsite "${d}"whl/*.whl; fi
+  done
+}
+gguf_join() { mkdir -p "$(dirname "$GGUF")" && cat "$GG"/gg.* > "$GGUF"; }  # pieces in name order
 demo() { python3 -c "from elastic_vllm.models import fetch_demo_model; print(fetch_demo_model(gguf='$GGUF', quiet=True))"; }
 step=${1:?step}
 case "$step" in
@@ -44,34 +55,27 @@ case "$step" in
   gguf_part)
     # eval without vLLM (scripts/gpu_gguf.sh builds .gpu-gguf/p1..pN): the carried part's piece of the GGUF to
     # $GG_DIR, its wheels (pydantic, in p1) to /tmp/gsite
-    gg=${GG_DIR:-/tmp/gg}
-    mkdir -p "$gg"
-    for d in .gpu-gguf/p*; do
-      [ -d "$d" ] || continue
-      cp "$d"/gg.* "$gg/"
-      if [ -d "$d/whl" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gsite "$d"/whl/*.whl; fi
-    done
-    ls -l "$gg" ;;
+    gguf_collect
+    ls -l "$GG" ;;
   eval_gguf)
-    # the GGUF whole again from every piece (name order), then the `eval` step (it converts the model)
-    gg=${GG_DIR:-/tmp/gg}
-    mkdir -p "$(dirname "$GGUF")" && cat "$gg"/gg.* > "$GGUF"
+    # the GGUF whole again from every piece, then the `eval` step (it converts the model)
+    gguf_join
     [ -n "${GGUF_ONLY:-}" ] && { sha256sum "$GGUF"; exit 0; }
     python3 -m pip install -q --no-index --no-deps --target /tmp/gsite .whl/gguf-*.whl
     : "${ROUTER:?ROUTER: a router folder}"
     exec bash "$0" eval ;;
   train_only)
-    # router training alone, without vLLM: the GGUF travels in two halves (.gpu-gguf/a then .gpu-gguf/b,
-    # `split -n 2 -d GGUF`), reassembled here; back: the 7 files of gpu_train_smollm2.sh
+    # router training alone, without vLLM: the GGUF travels in pieces (scripts/gpu_gguf.sh), one call each
+    # (`train_only`), the last with `train_only run`; back: the 7 files of gpu_train_smollm2.sh
     [ -d .gpu-carry ] && rm -rf /tmp/gpucarry && cp -r .gpu-carry /tmp/gpucarry
-    mkdir -p /tmp/gg && cp .gpu-gguf/*/gg.* /tmp/gg/ 2>/dev/null || true
-    if [ "${2:-}" != run ]; then ls -la /tmp/gg; exit 0; fi
-    mkdir -p /tmp/stage/extra && cat /tmp/gg/gg.00 /tmp/gg/gg.01 > "$GGUF"
+    gguf_collect
+    if [ "${2:-}" != run ]; then ls -la "$GG"; exit 0; fi
+    gguf_join
     PYTHONPATH=$PWD MEASURE=1 bash scripts/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data "$OUT" ;;
   train_bg)
-    # the GGUF's second half arrives now; both recipes start detached (they outlive this call) on one GPU
-    mkdir -p /tmp/gg && cp .gpu-gguf/*/gg.* /tmp/gg/
-    mkdir -p /tmp/stage/extra && cat /tmp/gg/gg.00 /tmp/gg/gg.01 > "$GGUF"
+    # the GGUF's last piece arrives now; both recipes start detached (they outlive this call) on one GPU
+    gguf_collect
+    gguf_join
     rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts .whl pyproject.toml /tmp/tree-train/
     # the trainers' own site (pydantic, gguf) and the model converted once, before they start (no races)
     [ -n "${LOCAL_DRY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/elastic-site .whl/*.whl

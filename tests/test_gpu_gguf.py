@@ -34,23 +34,25 @@ def test_pieces_rebuild_the_gguf_and_each_fits_one_call(tmp_path):
                              env={**env, "GGUF_FILE": str(tmp_path / "nope.gguf")}, capture_output=True, text=True)  # fmt: skip
     assert missing.returncode != 0 and "no GGUF" in missing.stderr
 
-    # the device side: each call's piece lands in GG_DIR, then eval_gguf joins them (GGUF_ONLY: no conversion)
-    gg, joined = tmp_path / "gg", tmp_path / "stage" / "model.gguf"
+    # the device side: each call's piece lands in GG_DIR (gguf_part for the eval, train_only for router training:
+    # one collection step), then eval_gguf joins them (GGUF_ONLY: no conversion)
     work = tmp_path / "tree"
     (work / "scripts").mkdir(parents=True)
     (work / "scripts" / "gpu_session.sh").write_bytes((ROOT / "scripts" / "gpu_session.sh").read_bytes())
-    denv = {**os.environ, "GG_DIR": str(gg), "GGUF": str(joined), "GGUF_ONLY": "1", "OUT": str(tmp_path / "out")}
-    for p in pieces:  # one call per piece: only that piece travels
-        carried = work / ".gpu-gguf"
-        subprocess.run(["rm", "-rf", str(carried)], check=True)
-        (carried / p.parent.name).mkdir(parents=True)
-        (carried / p.parent.name / p.name).write_bytes(p.read_bytes())
-        r = subprocess.run(["bash", "scripts/gpu_session.sh", "gguf_part"], cwd=work, env=denv, capture_output=True,
-                           text=True)  # fmt: skip
+    for step in ("gguf_part", "train_only"):
+        gg, joined = tmp_path / f"gg-{step}", tmp_path / f"stage-{step}" / "model.gguf"
+        denv = {**os.environ, "GG_DIR": str(gg), "GGUF": str(joined), "GGUF_ONLY": "1", "OUT": str(tmp_path / "out")}
+        for p in pieces:  # one call per piece: only that piece travels
+            carried = work / ".gpu-gguf"
+            subprocess.run(["rm", "-rf", str(carried)], check=True)
+            (carried / p.parent.name).mkdir(parents=True)
+            (carried / p.parent.name / p.name).write_bytes(p.read_bytes())
+            r = subprocess.run(["bash", "scripts/gpu_session.sh", step], cwd=work, env=denv, capture_output=True,
+                               text=True)  # fmt: skip
+            assert r.returncode == 0, r.stderr
+        r = subprocess.run(
+            ["bash", "scripts/gpu_session.sh", "eval_gguf"], cwd=work, env=denv, capture_output=True, text=True
+        )
         assert r.returncode == 0, r.stderr
-    r = subprocess.run(
-        ["bash", "scripts/gpu_session.sh", "eval_gguf"], cwd=work, env=denv, capture_output=True, text=True
-    )
-    assert r.returncode == 0, r.stderr
-    assert joined.read_bytes() == src.read_bytes()
-    assert hashlib.sha256(src.read_bytes()).hexdigest() in r.stdout
+        assert joined.read_bytes() == src.read_bytes(), step
+        assert hashlib.sha256(src.read_bytes()).hexdigest() in r.stdout
