@@ -717,6 +717,74 @@ def prefill_vllm_context_section(S: int, d: int, share: float, chunk: int) -> No
     save()
 
 
+def xattn_section(S: int, chunk: int, thresholds=(0.9,)) -> None:
+    """XAttention at the Llama-8B shape as vLLM runs it: the prompt's last ``chunk`` queries over all S keys
+    (the heaviest chunked-prefill step), block 128 (cache block size and XA block), stride 16. Per mode at
+    Omega_MSR 0.75 (FA-SSA, FA-XA, XA-SSA) and all-XA: the block selection alone, the prefill kernel alone
+    with that selection, and both; the selected share of the causal blocks. Random q/k (like dummy weights)
+    give nearly uniform attention, so the 0.9-mass rule keeps most blocks: the worst case of XA's cost."""
+    from elastic_vllm.csrc.prefill import prefill_attention
+    from elastic_vllm.csrc.xattn_select import xattn_max_blocks, xattn_select
+
+    x = prefill_inputs(S, 128)
+    bs = 128 if DEV.type == "cuda" else 16
+    xblock, stride = (128, 16) if DEV.type == "cuda" else (32, 8)
+    kc, vc, bt = paged(x, bs)
+    q = x["q"][S - chunk :]
+    qsl = torch.tensor([0, chunk], device=DEV, dtype=torch.int32)
+    sl = torch.tensor([S], device=DEV, dtype=torch.int32)
+    mq, mk = xattn_max_blocks(chunk, S, xblock)
+    n_sa = round(0.75 * HKV)
+    modes = {"FA-SSA": [1] * n_sa + [0] * (HKV - n_sa), "FA-XA": [2] * n_sa + [0] * (HKV - n_sa),
+             "XA-SSA": [1] * n_sa + [2] * (HKV - n_sa), "all-XA": [2] * HKV, "all-FA": [0] * HKV}  # fmt: skip
+    q0 = S - chunk  # causal blocks of the chunk's query blocks: block a sees a + 1 key blocks
+    causal = sum(a + 1 for a in range(q0 // xblock, (S - 1) // xblock + 1))
+    rows = REPORT.setdefault("xattn", [])
+    out = torch.empty_like(q)
+    for name, m in modes.items():
+        hm = torch.tensor([m], device=DEV, dtype=torch.int8)
+        for thr in thresholds if 2 in m else (None,):
+
+            def sel(hm=hm, thr=thr):
+                return xattn_select(q, kc, bt, qsl, sl, hm, max_q_blocks=mq, max_k_blocks=mk, stride=stride,
+                                    block=xblock, threshold=thr)  # fmt: skip
+
+            row = {"S": S, "chunk": chunk, "mode": name, "threshold": thr, "bs": bs, "xa_block": xblock,
+                   "stride": stride}  # fmt: skip
+            if thr is None:
+
+                def attn(hm=hm):
+                    return prefill_attention(q, kc, vc, bt, qsl, sl, hm, sink=SINK, window=WINDOW, out=out)
+
+                row["attn"] = timeit(attn)
+            else:
+                idx, cnt = sel()
+                xa = [h for h in range(HKV) if m[h] == 2]
+                row["selected_share"] = float(cnt[0, xa].sum().item() / (len(xa) * causal))
+
+                def attn(hm=hm, idx=idx, cnt=cnt):
+                    return prefill_attention(q, kc, vc, bt, qsl, sl, hm, sink=SINK, window=WINDOW, out=out,
+                                             xa_block_idx=idx, xa_block_cnt=cnt, xattn_block=xblock)  # fmt: skip
+
+                def both(hm=hm, sel=sel):
+                    i, c = sel()
+                    return prefill_attention(q, kc, vc, bt, qsl, sl, hm, sink=SINK, window=WINDOW, out=out,
+                                             xa_block_idx=i, xa_block_cnt=c, xattn_block=xblock)  # fmt: skip
+
+                row["select"] = timeit(sel)
+                row["attn"] = timeit(attn)
+                row["both"] = timeit(both)
+            rows.append(row)
+            log(row)
+            save()
+    from elastic_vllm.csrc.prefill import _prefill_kernel
+    from elastic_vllm.csrc.xattn_select import _xattn_select_kernel
+
+    REPORT["xattn_kernels"] = {"select": kernel_resources(_xattn_select_kernel),
+                               "prefill": kernel_resources(_prefill_kernel)}  # fmt: skip
+    del x
+
+
 def decode_section(ctx: int, batches) -> None:
     for B in batches:
         decode_batch(ctx, B)
@@ -1006,6 +1074,11 @@ def main() -> int:
     section("decode order", decode_order_section, 15)
     section("decode config", decode_config_section, 20)
     section("router", router_section, 8)
+    if not dry:
+        section("xattn S=32768", lambda: xattn_section(32768, 16384, (0.9, 0.3)), 15)
+        section("xattn S=131072", lambda: xattn_section(131072, 16384, (0.9, 0.3)), 30)
+    else:
+        section("xattn S=256", lambda: xattn_section(256, 128, (0.9, 0.3)), 2)
     if not ARGS.quick and not dry:
         section("prefill S=8192 d=128", lambda: prefill_section(8192, 128, shares), 12)
         section("tune d64", lambda: tune_section(64), 20)

@@ -20,8 +20,8 @@ block = position // xattn_block) the selected key blocks are::
 
     xa_block_idx[b, h, A - first_qblock(b), :xa_block_cnt[b, h, A - first_qblock(b)]]
 
-ascending absolute key-block indices, first_qblock(b) = (seq_len - q_len) // xattn_block.
-A query tile may straddle two query blocks (chunked prefill at any offset); it then runs both
+ascending absolute key-block indices, none above A (causal), first_qblock(b) = (seq_len - q_len) //
+xattn_block. A query tile may straddle two query blocks (chunked prefill at any offset); it then runs both
 lists, each with its own rows enabled.
 """
 
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attn import attn_step, kv_loop, long_first_head
+from ._attn import attn_step, attn_tile, kv_loop, long_first_head, tile_blocks
 from ._common import (
     INDEX_DTYPES,
     MODE_DTYPES,
@@ -154,17 +154,58 @@ def _xa_loop(
     TILE_IN_BLOCK: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """XA: the selected key blocks of the (at most two) query blocks this tile touches."""
+    """XA: the selected key blocks of the (at most two) query blocks this tile touches.
+
+    A tile inside one query block A (always, when the chunk starts on a 32-token boundary) takes the fast
+    path: the blocks of A's list below A (every key visible to every row) unmasked, their list entries and
+    block ids fetched two and one tiles ahead (the address of a tile's K/V never waits on a load of its own
+    iteration, see _attn's docstring: the first version's loop, list -> block table -> K/V in one iteration,
+    ran 1.8x slower per tile than the FA heads), then the diagonal block A masked. A tile across two query
+    blocks runs every listed tile masked, rows filtered by their block. Straight-line: the paths are loops
+    whose trip counts are 0 when not taken (no if/else merging acc, see the caller)."""
     SUB: tl.constexpr = XA_BLOCK // BLOCK_N
     base = ctx // XA_BLOCK
     a1 = q_lo // XA_BLOCK
     a2 = q_hi // XA_BLOCK
+    two = a2 != a1
     n1 = tl.load(p_xc + (a1 - base), mask=is_xa, other=0)
-    n2 = tl.load(p_xc + (a2 - base), mask=is_xa & (a2 != a1), other=0)
+    n2 = tl.load(p_xc + (a2 - base), mask=is_xa & two, other=0)
     p_l1 = p_xi + (a1 - base).to(tl.int64) * s_xi2
     p_l2 = p_xi + (a2 - base).to(tl.int64) * s_xi2
+    # fast path, 1) A's blocks below A: tiles 0 .. n_fast-1 (entry t // SUB, sub-tile t % SUB); the list is
+    # ascending and causal, so only its last entry can be A itself (xattn_select always keeps it)
+    c_last = tl.load(p_l1 + tl.maximum(n1 - 1, 0), mask=n1 > 0, other=-1)
+    has_diag = (n1 > 0) & (c_last == a1)
+    n_fast = tl.where(two, 0, (n1 - has_diag.to(tl.int32)) * SUB)
+    c0 = tl.load(p_l1, mask=n_fast > 0, other=0)
+    k_nx = c0 * XA_BLOCK
+    blk_nx = tile_blocks(p_bt, k_nx, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
+    c_nx2 = tl.load(p_l1 + 1 // SUB, mask=1 < n_fast, other=0)  # the list entry of tile 1
+    for i_v in range(0, n_fast):
+        k_cur = k_nx
+        blk_cur = blk_nx
+        k_nx = c_nx2 * XA_BLOCK + ((i_v + 1) % SUB) * BLOCK_N
+        blk_nx = tile_blocks(p_bt, k_nx, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
+        c_nx2 = tl.load(p_l1 + (i_v + 2) // SUB, mask=i_v + 2 < n_fast, other=0)
+        acc, l_i, m_i = attn_tile(
+            acc, l_i, m_i, b_q, p_k, p_v, blk_cur, k_cur, q_pos, seq_len, 0, 1 << 30,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, 0, 0, 0,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, False, DOT_PREC,
+        )  # fmt: skip
+    # fast path, 2) the diagonal block A when listed, causal
+    n_diag = tl.where(two, 0, tl.where(has_diag, SUB, 0))
+    for i_s in range(0, n_diag):
+        k0 = a1 * XA_BLOCK + i_s * BLOCK_N
+        blk = tile_blocks(p_bt, k0, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
+        acc, l_i, m_i = attn_tile(
+            acc, l_i, m_i, b_q, p_k, p_v, blk, k0, q_pos, seq_len, 0, 1 << 30,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, 0, 0, 0,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
+        )  # fmt: skip
+    # a tile across two query blocks: every listed tile masked, rows filtered by their query block
     row_qb = q_pos // XA_BLOCK  # [BM]
-    for i_v in range(0, (n1 + n2) * SUB):
+    n_two = tl.where(two, (n1 + n2) * SUB, 0)
+    for i_v in range(0, n_two):
         i_j = i_v // SUB
         first = i_j < n1
         c1 = tl.load(p_l1 + i_j, mask=first, other=0)
@@ -180,7 +221,9 @@ def _xa_loop(
     return acc, l_i, m_i
 
 
-@triton.jit
+# ints that change with the batch's lengths are not specialised (Triton would compile a variant per
+# divisibility-by-16 pattern of them, each a stall of seconds in the engine the first time it shows up)
+@triton.jit(do_not_specialize=["n_tiles", "s_xi0", "s_xi1", "s_xi2", "s_xc0", "s_xc1"])
 def _prefill_kernel(
     q,
     k_cache,

@@ -10,7 +10,10 @@ One program per (query block, KV head, request); programs of heads not in XA mod
 count and exit, so FA/SSA heads cost nothing (and a caller in FA-SSA mode does not launch this).
 A program computes the [query groups x key groups] estimates tile by tile twice (row max/sum,
 then normalised block masses), keeps the block masses of its row in a small global scratch, and
-selects with one bitonic sort of (mass, index) keys.
+selects without a sort: a bisection over the masses' bit patterns finds the smallest kept mass, so no
+tile is sized by the sequence and one compiled kernel serves every length (a bitonic sort over the
+next power of two of the key blocks, the first version, compiled once per power of two: ~2 s each in
+the engine, the first request of each new length range stalled by it).
 
 Output (the prefill kernel's XA metadata)::
 
@@ -91,7 +94,7 @@ def _est_tile(
     return acc * qk_scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_xi0", "s_xi1", "s_xi2", "s_xc0", "s_xc1", "s_mass"])
 def _xattn_select_kernel(
     q,
     k_cache,
@@ -102,7 +105,7 @@ def _xattn_select_kernel(
     head_mode_slots,
     xa_idx,
     xa_cnt,
-    mass,  # fp32 [B, Hkv, max_q_blocks, KB_P2] scratch
+    mass,  # fp32 [B, Hkv, max_q_blocks, s_mass] scratch
     s_qt,
     s_qh,
     s_kb,
@@ -116,7 +119,7 @@ def _xattn_select_kernel(
     s_xi2,
     s_xc0,
     s_xc1,
-    max_k_blocks,
+    s_mass,
     threshold,
     qk_scale,
     G: tl.constexpr,
@@ -128,7 +131,7 @@ def _xattn_select_kernel(
     BS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    KB_P2: tl.constexpr,
+    SEL_T: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -177,7 +180,7 @@ def _xattn_select_kernel(
         m_i = m_new
     r_l = tl.where(row_live, 1.0 / l_i, 0.0)  # dead rows carry no mass
     # pass 2: normalised probabilities summed into key-block masses
-    p_mass = mass + ((i_b.to(tl.int64) * tl.num_programs(1) + i_h) * tl.num_programs(0) + i_a) * KB_P2
+    p_mass = mass + ((i_b.to(tl.int64) * tl.num_programs(1) + i_h) * tl.num_programs(0) + i_a) * s_mass
     for i_ct in range(0, n_ct):
         c0 = i_ct * BLOCK_C
         b_e = _est_tile(
@@ -191,24 +194,52 @@ def _xattn_select_kernel(
         o_kb = i_ct * KPT + tl.arange(0, KPT)
         tl.store(p_mass + o_kb, b_blk, mask=o_kb <= blk_a)
     tl.debug_barrier()
-    # selection: sort (mass desc, index asc), keep the prefix whose preceding mass < threshold * total
-    o_kb = tl.arange(0, KB_P2)
-    m_kb = o_kb <= blk_a
-    b_m = tl.load(p_mass + o_kb, mask=m_kb, other=0.0)
-    need = threshold * tl.sum(b_m, 0)
-    bits = b_m.to(tl.int32, bitcast=True).to(tl.int64)  # masses >= 0: bit order = value order
-    key = tl.where(m_kb, (bits << 32) | (KB_P2 - o_kb).to(tl.int64), -1)
-    s_key = tl.sort(key, descending=True)
-    s_val = tl.where(s_key >= 0, (s_key >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    before = tl.cumsum(s_val, 0) - s_val
-    keep_n = tl.sum(((before < need) & (s_key >= 0)).to(tl.int32), 0)
-    keep_n = tl.maximum(keep_n, 1)
-    kth = tl.max(tl.where(o_kb == keep_n - 1, s_key, -1), 0)
-    sel = m_kb & ((key >= kth) | (o_kb == 0) | (o_kb == blk_a))
-    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+    # selection: the reference sorts (mass desc, index asc) and keeps the prefix whose preceding mass is
+    # < threshold * total. The same set without a sort, so that nothing here is sized by the sequence
+    # (one compiled kernel for every length): v = the largest mass (as its bit pattern; masses >= 0, so bit
+    # order = value order) with sum(mass >= v) >= need, found by bisection over the bits; every block above v
+    # is kept, and of the blocks equal to v those (in index order, rank j) with sum(mass > v) + j * v < need,
+    # the first always (the last kept block of the sorted prefix has mass v).
+    n_kb = blk_a + 1
+    o_t = tl.arange(0, SEL_T)
+    total = 0.0
+    hi_v = i_a * 0
+    for t0 in range(0, n_kb, SEL_T):
+        b_m = tl.load(p_mass + t0 + o_t, mask=t0 + o_t < n_kb, other=0.0)
+        total += tl.sum(b_m, 0)
+        hi_v = tl.maximum(hi_v, tl.max(b_m.to(tl.int32, bitcast=True), 0))
+    need = threshold * total
+    lo_v = i_a * 0  # invariant: sum(mass >= lo_v) >= need (lo_v = 0: the total)
+    while lo_v < hi_v:
+        mid = lo_v + (hi_v - lo_v + 1) // 2
+        s_ge = 0.0
+        for t0 in range(0, n_kb, SEL_T):
+            b_m = tl.load(p_mass + t0 + o_t, mask=t0 + o_t < n_kb, other=0.0)
+            s_ge += tl.sum(tl.where(b_m.to(tl.int32, bitcast=True) >= mid, b_m, 0.0), 0)
+        ok = s_ge >= need
+        lo_v = tl.where(ok, mid, lo_v)
+        hi_v = tl.where(ok, hi_v, mid - 1)
+    v_f = lo_v.to(tl.float32, bitcast=True)
+    s_gt = 0.0
+    for t0 in range(0, n_kb, SEL_T):
+        b_m = tl.load(p_mass + t0 + o_t, mask=t0 + o_t < n_kb, other=0.0)
+        s_gt += tl.sum(tl.where(b_m.to(tl.int32, bitcast=True) > lo_v, b_m, 0.0), 0)
     p_idx = xa_idx + i_b.to(tl.int64) * s_xi0 + i_h * s_xi1 + i_a.to(tl.int64) * s_xi2
-    tl.store(p_idx + pos, o_kb, mask=sel)
-    tl.store(p_cnt, tl.sum(sel.to(tl.int32), 0))
+    n_sel = i_a * 0
+    n_eq = i_a * 0
+    for t0 in range(0, n_kb, SEL_T):
+        o_kb = t0 + o_t
+        m_kb = o_kb < n_kb
+        bits = tl.load(p_mass + o_kb, mask=m_kb, other=0.0).to(tl.int32, bitcast=True)
+        eq = m_kb & (bits == lo_v)
+        rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        keep_eq = eq & ((rank == 0) | (s_gt + rank.to(tl.float32) * v_f < need))
+        sel = m_kb & ((bits > lo_v) | keep_eq | (o_kb == 0) | (o_kb == blk_a))
+        pos = n_sel + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(p_idx + pos, o_kb, mask=sel)
+        n_sel += tl.sum(sel.to(tl.int32), 0)
+        n_eq += tl.sum(eq.to(tl.int32), 0)
+    tl.store(p_cnt, n_sel)
 
 
 def xattn_max_blocks(max_query_len: int, max_seq_len: int, block: int = 128) -> tuple[int, int]:
@@ -278,8 +309,7 @@ def xattn_select(
     cnt = torch.empty(B, hkv, max_q_blocks, device=dev, dtype=torch.int32)
     if B == 0:
         return idx, cnt
-    kb_p2 = next_pow2(max_k_blocks)
-    mass = torch.empty(B, hkv, max_q_blocks, kb_p2, device=dev, dtype=torch.float32)
+    mass = torch.empty(B, hkv, max_q_blocks, max_k_blocks, device=dev, dtype=torch.float32)
     kpt = max(1, 64 // per)  # key tiles of 64 stride groups (8 blocks at block 128, stride 16)
     scale = d**-0.5 if scale is None else scale
     hm_slots = head_mode_slots if head_mode_slots is not None else seq_lens
@@ -290,7 +320,7 @@ def xattn_select(
         idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1),
         max_k_blocks, float(threshold), scale / stride * 1.4426950408889634,
         G=g, STRIDE=stride, BLOCK=block, PER=per, KPT=kpt, BLOCK_R=max(16, next_pow2(per * g)), BS=bs,
-        HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), KB_P2=kb_p2, HAS_SLOTS=head_mode_slots is not None,
+        HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), SEL_T=256, HAS_SLOTS=head_mode_slots is not None,
         DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
     )  # fmt: skip
     return idx, cnt

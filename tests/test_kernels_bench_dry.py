@@ -38,6 +38,29 @@ def test_kernels_benchmark_dry_run(tmp_path):
     assert ours and all("x_vs_fa3_dense" not in r and r["x_vs_sdpa"] > 0 for r in ours)
 
 
+@pytest.mark.slow
+def test_xattn_section_dry_run(tmp_path):
+    """The XAttention section (selection, attention over the selection, both; per mode) runs and its rows
+    hang together: a lower threshold keeps fewer blocks, FA-SSA / all-FA rows have no selection."""
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--cpu-dry", "--out", str(out), "--sections", "xattn"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert not d.get("errors"), d.get("errors")
+    rows = {(r["mode"], r["threshold"]): r for r in d["xattn"]}
+    xa = [(m, t) for m in ("FA-XA", "XA-SSA", "all-XA") for t in (0.9, 0.3)]
+    assert set(rows) == {("FA-SSA", None), ("all-FA", None), *xa}
+    for m, t in xa:
+        r = rows[(m, t)]
+        assert 0 < r["selected_share"] <= 1 and all(r[k]["ms"] > 0 for k in ("select", "attn", "both"))
+        assert rows[(m, 0.3)]["selected_share"] < rows[(m, 0.9)]["selected_share"]
+    assert all("select" not in rows[(m, None)] for m in ("FA-SSA", "all-FA"))
+    assert d["xattn_kernels"]["select"] and d["xattn_kernels"]["prefill"]
+
+
 def test_host_overhead_script_reports_every_launcher(tmp_path):
     out = tmp_path / "host.json"
     proc = subprocess.run(

@@ -80,6 +80,30 @@ def test_selection_equals_reference(seqs, qls, hq, hkv, stride, blk, thr):
                 assert torch.all(lst[1:] > lst[:-1])
 
 
+@pytest.mark.parametrize("thr", [0.3, 0.6, 1.0])
+def test_tied_masses_keep_the_lower_blocks_as_the_reference(thr):
+    """Zero queries: every estimate is 0, so all key blocks below the diagonal get exactly the same mass.
+    The kernel finds the kept set without a sort (bisection over the masses); ties must still go to the
+    lower block index, as in the reference's (mass desc, index asc) order, and the kept count must match."""
+    seqs, qls, stride, blk = [256, 200], [256, 120], 8, 32
+    gen = torch.Generator().manual_seed(5)
+    batch = make_paged_batch(seqs, qls, 4, 2, 16, block_size=16, generator=gen)
+    batch.q.zero_()
+    hm = torch.full((2, 2), XA, dtype=torch.int8)
+    idx, cnt = select(batch, hm, seqs, qls, stride, blk, thr)
+    got = lists_to_block_masks(idx, cnt, seqs, qls, blk)
+    want = ref_masks(batch, seqs, qls, stride, blk, thr)
+    for b in range(2):
+        assert torch.equal(got[b], want[b]), f"request {b}: selections differ"
+    # the tie rule is really exercised: a middle row keeps a proper prefix of its lower blocks (+ diagonal)
+    row = got[0][0, 6]
+    if thr < 1.0:
+        n = int(row[:6].sum())
+        assert 0 < n < 6 and row[:n].all() and not row[n:6].any() and row[6]
+    else:
+        assert row[:7].all()
+
+
 def test_non_xa_heads_are_skipped_and_selection_drives_prefill():
     seqs, qls, blk, stride = [180, 120], [180, 70], 32, 8
     gen = torch.Generator().manual_seed(9)
@@ -133,3 +157,42 @@ def test_xattn_select_errors_name_the_argument():
         xattn_select(*a, max_q_blocks=2, max_k_blocks=2, threshold=0.0)
     with pytest.raises(ValueError, match="max_q_blocks"):
         xattn_select(*a, max_q_blocks=0, max_k_blocks=2)
+
+
+def test_one_compiled_variant_serves_every_length(monkeypatch):
+    """The selection kernel is launched with the same compile-time constants at every sequence length, and
+    the ints that change with the lengths (list and scratch strides) are not specialised, so the engine
+    compiles it once. (The first version sized its sort by the next power of two of the key blocks: a
+    compile of ~2 s in the engine at each new power of two, measured in e2e-vllm-h200-llama-xa.json.)"""
+    import elastic_vllm.csrc.xattn_select as xs
+    from elastic_vllm.csrc.prefill import _prefill_kernel
+
+    real, seen = xs._xattn_select_kernel, []
+
+    class Spy:  # records the constexpr keywords, then launches the real kernel
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.append(kw)
+                return real[grid](*args, **kw)
+
+            return run
+
+    monkeypatch.setattr(xs, "_xattn_select_kernel", Spy())
+    for s in (40, 300, 700):
+        batch = make_paged_batch([s], [min(s, 64)], 4, 2, 16, block_size=16, generator=torch.Generator().manual_seed(s))
+        hm = torch.full((1, 2), XA, dtype=torch.int8)
+        idx, cnt = select(batch, hm, [s], [min(s, 64)], 8, 32, 0.9)
+        want = ref_masks(batch, [s], [min(s, 64)], 8, 32, 0.9)
+        assert torch.equal(lists_to_block_masks(idx, cnt, [s], [min(s, 64)], 32)[0], want[0])
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2], seen
+    strides = {"s_xi0", "s_xi1", "s_xi2", "s_xc0", "s_xc1"}
+    assert strides | {"s_mass"} <= no_specialize(real)
+    assert strides | {"n_tiles"} <= no_specialize(_prefill_kernel)
+
+
+def no_specialize(kernel) -> set[str]:
+    """The do_not_specialize names of a Triton kernel, compiled (JITFunction) or interpreted."""
+    names = getattr(kernel, "do_not_specialize", None)
+    if names is None:  # TRITON_INTERPRET=1: the decorator's keywords are kept as they were given
+        names = kernel.kwargs["do_not_specialize"]
+    return set(names)
