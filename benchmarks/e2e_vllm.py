@@ -966,15 +966,25 @@ def _len(n: int) -> str:
     return f"{n // K}K" if n % K == 0 else (f"{n / K:.1f}K" if n >= K else str(n))
 
 
+def _commit(d: dict) -> str:
+    """The run's commit as the report shows it: 12 hex digits, and whether the tree had changes (a run made before
+    its code was committed says so, and its ``git_commit_note`` says which commit holds that code)."""
+    c = str(d.get("git_commit", "?"))
+    dirty = d.get("git_dirty") or c.endswith("-dirty")
+    return ",".join(x.removesuffix("-dirty")[:12] for x in c.split(",")) + (" + uncommitted changes" if dirty else "")
+
+
 def markdown(d: dict, plots: list[str]) -> str:
     env = d.get("env") or {}
     s = summarize(d)
     lines = [
         f"Run: {env.get('gpu', '?')}, vLLM {env.get('vllm', '?')}, torch {env.get('torch', '?')}, "
-        f"triton {env.get('triton', '?')}, commit `{str(d.get('git_commit', '?'))[:12]}`, {env.get('time', '?')}; "
+        f"triton {env.get('triton', '?')}, commit `{_commit(d)}`, {env.get('time', '?')}; "
         f"`{d.get('command', '')}` ({d.get('elapsed_s', '?')} s of a {d.get('budget_s')} s budget).",
         "",
     ]
+    if d.get("git_commit_note"):
+        lines += [f"Commit: {d['git_commit_note']}.", ""]
     if d["ttft"]:
         lines += ["Time to first token (s, median of the reps; speedup = FLASH_ATTN / this):", "",
                   "| model | prompt | budget | variant | TTFT s | vs FLASH_ATTN | Omega_MSR |", "|---|---|---|---|---|---|---|"]  # fmt: skip

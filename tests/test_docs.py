@@ -387,23 +387,18 @@ def results_rows() -> list[str]:
     a, t8 = table("accuracy-smollm2-xa-h200")
 
     def cell(m, k):
-        c = t8[m][k]
-        return f"{c['score']:.1f} at Omega_MSR {c['omega_msr']:.2f} / Omega_ESR {c['omega_esr']:.2f}"
+        return score_cell(t8[m][k])
 
     rows.append(
         "| RULER + robust tasks at 8K, router s040 in the XAttention modes (SmolLM2; "
         f"{a['options']['xa_samples']} prompts per task for FA-XA / XA-SSA, {a['options']['samples']} for dense) | "
-        f"{a['provenance']['gpu']} | RULER: dense {t8['dense']['ruler_avg']['score']:.1f}, FA-XA "
-        f"{cell('FA-XA', 'ruler_avg')}, XA-SSA {cell('XA-SSA', 'ruler_avg')}; robust: dense "
-        f"{t8['dense']['robust_avg']['score']:.1f}, FA-XA {cell('FA-XA', 'robust_avg')}, XA-SSA "
-        f"{cell('XA-SSA', 'robust_avg')} | {_link('benchmarks/results/accuracy-smollm2-xa-h200/results.md')} |"
+        f"{a['provenance']['gpu']} | {modes_cells(t8, ('FA-XA', 'XA-SSA'))} "
+        f"| {_link('benchmarks/results/accuracy-smollm2-xa-h200/results.md')} |"
     )
     a, t8 = table("accuracy-smollm2-sparse-decode-h200")
     rows.append(
         "| RULER + robust tasks at 8K, router s040 with sparse decode (SA heads read only sink + window while "
-        f"generating; SmolLM2) | {a['provenance']['gpu']} | RULER: dense {t8['dense']['ruler_avg']['score']:.1f}, "
-        f"elastic-sparse {cell('elastic-sparse', 'ruler_avg')}; robust: dense {t8['dense']['robust_avg']['score']:.1f}, "
-        f"elastic-sparse {cell('elastic-sparse', 'robust_avg')} "
+        f"generating; SmolLM2) | {a['provenance']['gpu']} | {modes_cells(t8, ('elastic-sparse',))} "
         f"| {_link('benchmarks/results/accuracy-smollm2-sparse-decode-h200/results.md')} |"
     )
     a, t8 = table("accuracy-smollm2-static-all-h200")
@@ -508,6 +503,116 @@ def results_rows() -> list[str]:
         f"{a['provenance']['gpu']} | "
         + "; ".join(f"{t['measured']} ({'met' if t['met'] else 'not met'})" for t in a["targets"])
         + f" | {_link('benchmarks/results/dev/accuracy-2-h200/results.md')} |"
+    )
+    rows += session_12_02_rows(table)
+    return rows
+
+
+def score_cell(c: dict) -> str:
+    """An accuracy table cell as the results rows quote it: score, then the realized sparsities."""
+    return f"{c['score']:.1f} at Omega_MSR {c['omega_msr']:.2f} / Omega_ESR {c['omega_esr']:.2f}"
+
+
+def modes_cells(t: dict, methods) -> str:
+    """ "RULER: dense X, <method> <cell>, ...; robust: ..." for an accuracy table at one length."""
+    return "; ".join(
+        f"{label}: dense {t['dense'][k]['score']:.1f}, " + ", ".join(f"{m} {score_cell(t[m][k])}" for m in methods)
+        for label, k in (("RULER", "ruler_avg"), ("robust", "robust_avg"))
+    )
+
+
+def session_12_02_rows(table) -> list[str]:
+    """The rows of the 2026-12-02 GPU session: the 4K XAttention / sparse-decode accuracy run, the XA kernels
+    before and after the change that made them one compile and FA-rate tiles, the engine's XA and 8192-budget
+    TTFT rows, and the demo model with the fused router glue."""
+    rows = []
+    a, t4 = table("accuracy-smollm2-4k-modes-h200", "4096")
+    rows.append(
+        "| RULER + robust tasks at 4K, router s040 in the XAttention modes and with sparse decode (`--impl triton`; "
+        f"SmolLM2; {a['options']['xa_samples']} prompts per task for FA-XA / XA-SSA, {a['options']['samples']} for "
+        f"dense and elastic-sparse) | {a['provenance']['gpu']} | {modes_cells(t4, ('elastic-sparse', 'FA-XA', 'XA-SSA'))} "
+        f"| {_link('benchmarks/results/accuracy-smollm2-4k-modes-h200/results.md')} |"
+    )
+    new = json.loads((RESULTS / "kernels-xattn-h200.json").read_text())
+    old = json.loads((RESULTS / "dev" / "kernels-18-h200-xattn-before-71f0b02.json").read_text())
+
+    def xr(d, S, mode, thr):
+        return next(r for r in d["xattn"] if r["S"] == S and r["mode"] == mode and r["threshold"] == thr)
+
+    parts = []
+    for S in (32768, 131072):
+        fa = xr(new, S, "all-FA", None)["attn"]["ms"]
+        for thr in (0.9, 0.3):
+            o, n = xr(old, S, "all-XA", thr), xr(new, S, "all-XA", thr)
+            parts.append(
+                f"{S // 1024}K, {100 * n['selected_share']:.0f}% of the blocks kept: {o['attn']['ms']:.2f} -> "
+                f"{n['attn']['ms']:.2f} ms"
+            )
+        parts[-1] += f" (all-FA {fa:.2f} ms; selection {xr(new, S, 'all-XA', 0.9)['select']['ms']:.1f} ms)"
+    rows.append(
+        "| XAttention kernels at the Llama-8B shape, the last 16K chunk of the prompt, all heads XA, before and after "
+        f"23a43c0 (FA-rate XA tiles, one compiled selection kernel) | {new['env']['gpu']}, triton "
+        f"{new['env']['triton']} | attention over the selection: "
+        + "; ".join(parts)
+        + f" | {_link('benchmarks/results/kernels-xattn-h200.json')} |"
+    )
+    base = json.loads((RESULTS / "e2e-vllm-h200-llama.json").read_text())
+    fl = {r["len"]: r["median_s"] for r in base["ttft"] if r["backend"] == "FLASH_ATTN" and r["budget_tokens"] == 16384}
+    xa_new = json.loads((RESULTS / "e2e-vllm-h200-llama-xa.json").read_text())
+    xa_old = json.loads((RESULTS / "dev" / "e2e-vllm-8-h200-llama-b8192-xa-71f0b02.json").read_text())
+
+    def ttft(d, mode, L):
+        return next(r for r in d["ttft"] if r.get("mode") == mode and r["len"] == L and r["backend"] == "elastic"
+                    and r["budget_tokens"] == 16384)["median_s"]  # fmt: skip
+
+    cells = []
+    for mode in ("FA-XA", "XA-SSA"):
+        for L in (32768, 131072):
+            n = ttft(xa_new, mode, L)
+            cells.append(f"{mode} {L // 1024}K {ttft(xa_old, mode, L):.2f} -> {n:.2f} s ({fl[L] / n:.2f}x)")
+    rows.append(
+        "| `vllm` TTFT in the XAttention modes (Llama-3.1-8B shape, dummy weights, Omega_MSR 0.75, block 128, one rep "
+        "each), before and after 23a43c0; x = FLASH_ATTN at the same budget (e2e-vllm-h200-llama.json) / this | "
+        f"{xa_new['env']['gpu']}, vLLM {xa_new['env']['vllm']} | "
+        + "; ".join(cells)
+        + " (dummy weights attend almost uniformly: the 0.9-mass rule keeps ~90% of the blocks) "
+        f"| {_link('benchmarks/results/e2e-vllm-h200-llama-xa.json')} |"
+    )
+    b8 = {r["len"]: r for r in xa_old["summary"]["ttft_speedup"] if r["budget_tokens"] == 8192}
+    rows.append(
+        "| `vllm` TTFT at `vllm serve`'s default budget, 8192 tokens per step (Llama-3.1-8B shape, dummy weights, "
+        f"block 16) | {xa_old['env']['gpu']}, vLLM {xa_old['env']['vllm']}, commit {xa_old['git_commit'][:7]} | "
+        + "; ".join(
+            f"{L // 1024}K Omega_MSR 0.75: {b8[L]['median_s']:.3f} s vs {b8[L]['flash_attn_s']:.3f} s FLASH_ATTN "
+            f"= {b8[L]['speedup']:.2f}x"
+            for L in (32768, 131072)
+        )
+        + f" | {_link('benchmarks/results/dev/e2e-vllm-8-h200-llama-b8192-xa-71f0b02.json')} |"
+    )
+    dn = json.loads((RESULTS / "e2e-vllm-h200-demo-fused-glue.json").read_text())
+    do = json.loads((RESULTS / "e2e-vllm-h200-demo.json").read_text())
+    L = max(r["len"] for r in dn["ttft"])
+
+    def demo(d, v, L):
+        return next(r for r in d["ttft"] if r["variant"] == v and r["len"] == L)
+
+    def glue_ms(d, v):
+        xs = [x for r in d["ttft"] if r["variant"] == v for x in r.get("router_final_step_s", [])]
+        return 1e3 * sorted(xs)[len(xs) // 2]
+
+    sp = {(r["len"], r["variant"]): r["speedup"] for r in dn["summary"]["ttft_speedup"]}
+    first = [demo(d, "elastic FA-XA auto", 2048)["reps_s"][0] for d in (do, dn)]
+    rows.append(
+        "| `vllm` demo model again, after the router's fused vLLM glue (02aef8f) and 23a43c0 | "
+        f"{dn['env']['gpu']}, vLLM {dn['env']['vllm']} | SmolLM2-135M, {L} tokens: FA-SSA auto "
+        f"{sp[(L, 'elastic FA-SSA auto')]:.2f}x FLASH_ATTN, FA-XA {sp[(L, 'elastic FA-XA auto')]:.2f}x, XA-SSA "
+        f"{sp[(L, 'elastic XA-SSA auto')]:.2f}x (host-bound at this size); routing step (median over the rows) "
+        + ", ".join(
+            f"{m} {glue_ms(do, f'elastic {m} auto'):.1f} -> {glue_ms(dn, f'elastic {m} auto'):.1f} ms"
+            for m in ("FA-SSA", "FA-XA", "XA-SSA")
+        )
+        + f"; first FA-XA request at 2K {first[0]:.2f} s -> {first[1]:.3f} s (the selection kernel's recompile) "
+        f"| {_link('benchmarks/results/e2e-vllm-h200-demo-fused-glue.json')} |"
     )
     return rows
 

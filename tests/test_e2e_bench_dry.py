@@ -265,3 +265,17 @@ def test_cpu_serving_report_of_the_committed_run(tmp_path):
     assert out.returncode == 0, out.stderr
     text = readme.read_text()
     assert "old" not in text and "| CPU_ATTN |" in text and "| elastic |" in text and text.endswith("y\n")
+
+
+def test_report_says_when_the_tree_had_uncommitted_changes(e2e):
+    """A run made before its code was committed shows that in the report's first line, and its note (which
+    commit holds that code) follows; a clean run shows its commit alone."""
+    d = fake_results(e2e)
+    d.update(git_commit="0123456789abcdef0123-dirty", git_dirty=True, git_commit_note="the code is in 23a43c0")
+    md = e2e.markdown(d, [])
+    assert "commit `0123456789ab + uncommitted changes`" in md and "Commit: the code is in 23a43c0." in md
+    d = fake_results(e2e)
+    d.update(git_commit="f" * 40, git_dirty=False)
+    d.pop("git_commit_note", None)
+    md = e2e.markdown(d, [])
+    assert "commit `ffffffffffff`," in md and "uncommitted" not in md and "Commit:" not in md
