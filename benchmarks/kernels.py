@@ -734,9 +734,10 @@ def xattn_section(S: int, chunk: int, thresholds=(0.9,)) -> None:
     qsl = torch.tensor([0, chunk], device=DEV, dtype=torch.int32)
     sl = torch.tensor([S], device=DEV, dtype=torch.int32)
     mq, mk = xattn_max_blocks(chunk, S, xblock)
-    n_sa = round(0.75 * HKV)
-    modes = {"FA-SSA": [1] * n_sa + [0] * (HKV - n_sa), "FA-XA": [2] * n_sa + [0] * (HKV - n_sa),
-             "XA-SSA": [1] * n_sa + [2] * (HKV - n_sa), "all-XA": [2] * HKV, "all-FA": [0] * HKV}  # fmt: skip
+    sa = sa_heads(0.75)  # the SA heads of the share, as the prefill sections assign them
+    modes = {name: [sa_mode if s else fa_mode for s in sa]
+             for name, (fa_mode, sa_mode) in {"FA-SSA": (0, 1), "FA-XA": (0, 2), "XA-SSA": (2, 1),
+                                              "all-XA": (2, 2), "all-FA": (0, 0)}.items()}  # fmt: skip
     q0 = S - chunk  # causal blocks of the chunk's query blocks: block a sees a + 1 key blocks
     causal = sum(a + 1 for a in range(q0 // xblock, (S - 1) // xblock + 1))
     rows = REPORT.setdefault("xattn", [])
@@ -751,29 +752,20 @@ def xattn_section(S: int, chunk: int, thresholds=(0.9,)) -> None:
 
             row = {"S": S, "chunk": chunk, "mode": name, "threshold": thr, "bs": bs, "xa_block": xblock,
                    "stride": stride}  # fmt: skip
+
+            def attn(idx=None, cnt=None, hm=hm):
+                return prefill_attention(q, kc, vc, bt, qsl, sl, hm, sink=SINK, window=WINDOW, out=out,
+                                         xa_block_idx=idx, xa_block_cnt=cnt, xattn_block=xblock)  # fmt: skip
+
             if thr is None:
-
-                def attn(hm=hm):
-                    return prefill_attention(q, kc, vc, bt, qsl, sl, hm, sink=SINK, window=WINDOW, out=out)
-
                 row["attn"] = timeit(attn)
             else:
                 idx, cnt = sel()
                 xa = [h for h in range(HKV) if m[h] == 2]
                 row["selected_share"] = float(cnt[0, xa].sum().item() / (len(xa) * causal))
-
-                def attn(hm=hm, idx=idx, cnt=cnt):
-                    return prefill_attention(q, kc, vc, bt, qsl, sl, hm, sink=SINK, window=WINDOW, out=out,
-                                             xa_block_idx=idx, xa_block_cnt=cnt, xattn_block=xblock)  # fmt: skip
-
-                def both(hm=hm, sel=sel):
-                    i, c = sel()
-                    return prefill_attention(q, kc, vc, bt, qsl, sl, hm, sink=SINK, window=WINDOW, out=out,
-                                             xa_block_idx=i, xa_block_cnt=c, xattn_block=xblock)  # fmt: skip
-
                 row["select"] = timeit(sel)
-                row["attn"] = timeit(attn)
-                row["both"] = timeit(both)
+                row["attn"] = timeit(lambda idx=idx, cnt=cnt: attn(idx, cnt))
+                row["both"] = timeit(lambda: attn(*sel()))
             rows.append(row)
             log(row)
             save()
