@@ -82,7 +82,9 @@ def _heavy_first_program(seq_lens, head_modes, head_mode_slots, s_hm0, s_hm1, nu
     return t % num_splits, i_p % hkv, i_p // hkv, seq_len, mode
 
 
-@triton.jit
+# num_splits / min_tiles follow the longest context of the step: not specialised, so one compiled kernel
+# serves every length (the merge kernel's BLOCK_S, a power of two of the splits, is compiled at warm-up).
+@triton.jit(do_not_specialize=["num_splits", "min_tiles"])
 def _decode_kernel(
     q,
     k_cache,
@@ -193,7 +195,7 @@ def _decode_kernel(
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     o,
     o_part,

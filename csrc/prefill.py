@@ -223,7 +223,14 @@ def _xa_loop(
 
 # ints that change with the batch's lengths are not specialised (Triton would compile a variant per
 # divisibility-by-16 pattern of them, each a stall of seconds in the engine the first time it shows up)
-@triton.jit(do_not_specialize=["n_tiles", "s_xi0", "s_xi1", "s_xi2", "s_xc0", "s_xc1"])
+# Compiled once per engine configuration: the ints and row pointers that vary between steps are not specialised.
+# A step's prefill rows start after its decode rows, so seq_lens / block_table / head_modes arrive offset by
+# num_decodes elements (16-byte alignment comes and goes) and num_reqs takes any value; specialising on them
+# compiled new variants while serving (vLLM's JIT monitor flagged _prefill_kernel in the first 1K-prompt burst).
+@triton.jit(
+    do_not_specialize=["n_tiles", "num_reqs", "s_xi0", "s_xi1", "s_xi2", "s_xc0", "s_xc1"],
+    do_not_specialize_on_alignment=["block_table", "query_start_loc", "seq_lens", "head_modes", "head_mode_slots"],
+)
 def _prefill_kernel(
     q,
     k_cache,

@@ -131,3 +131,14 @@ def write_paged(
     slots = slot_mapping.long()
     key_cache[slots // block_size, slots % block_size] = k.to(key_cache.dtype)
     value_cache[slots // block_size, slots % block_size] = v.to(value_cache.dtype)
+
+
+def dense_paged_attention(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, max_query_len,
+                          max_seq_len, scale):  # fmt: skip
+    """Full causal attention with the call signature of the backend's dense kernel (``compat.flash_attn_dense``):
+    the reference with every head FA, written into ``out``. Stands in for vLLM's FlashAttention where there is
+    none (the CPU tests of the dense dispatch)."""
+    modes = torch.zeros(seq_lens.shape[0], key_cache.shape[2], dtype=torch.int8, device=q.device)
+    o = hybrid_attention_ref(q, key_cache, value_cache, block_table, query_start_loc, seq_lens, modes, 0, 1 << 30,
+                             scale=scale)  # fmt: skip
+    return out.copy_(o)

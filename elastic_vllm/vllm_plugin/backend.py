@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from elastic_vllm.vllm_plugin import compat, observe
+from elastic_vllm.vllm_plugin import compat, observe, warmup
 from elastic_vllm.vllm_plugin import state as state_mod
 from elastic_vllm.vllm_plugin.ops import resolve_ops, torch_attention, triton_attention
 from elastic_vllm.vllm_plugin.routing import RouteBatch
@@ -102,6 +102,7 @@ class ElasticMetadata:
     state: Any  # state.EngineState
     prefill_query_start_loc: torch.Tensor | None = None  # [B - num_decodes + 1] (Triton path, mixed steps)
     causal: bool = True
+    dense: bool = False  # every head of every row is FA: state.dense_attention (vLLM's FlashAttention) runs it
 
 
 class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
@@ -129,6 +130,7 @@ class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
             block_size=kv_cache_spec.block_size,
         )
         compat.install_runner_hooks(state_mod.for_runner, use_v2=self.state.use_v2_runner)
+        warmup.maybe_warm_up(self.state, kv_cache_spec, vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> ElasticMetadata:
         cm = common_attn_metadata
@@ -138,7 +140,7 @@ class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
         while num_decodes < cm.num_reqs and qsl[num_decodes + 1] - qsl[num_decodes] == 1:
             num_decodes += 1
         prefill_qsl = None
-        if self.state.ops == "triton" and num_decodes < cm.num_reqs:
+        if self.state.ops == "triton" and num_decodes < cm.num_reqs and not plan.dense:
             prefill_qsl = cm.query_start_loc[num_decodes:] - num_decodes  # once per step, not per layer
         return ElasticMetadata(
             num_actual_tokens=cm.num_actual_tokens,
@@ -156,6 +158,7 @@ class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
             seq_lens_host=plan.seq_lens,
             state=self.state,
             prefill_query_start_loc=prefill_qsl,
+            dense=plan.dense,
         )
 
 
@@ -229,6 +232,13 @@ class ElasticAttentionImpl(compat.AttentionImpl[ElasticMetadata]):
         key_cache, value_cache = compat.split_kv_cache(kv_cache, self.head_size)
         if md.route is not None:
             st.route(li, key_cache, md.route)
+        if md.dense:
+            st.dense_attention(
+                query[:n], key_cache, value_cache, output[:n], md.query_start_loc, md.seq_lens, md.block_table,
+                md.max_query_len, md.max_seq_len, self.scale,
+            )  # fmt: skip
+            observe.COUNTERS.forward_calls += 1
+            return output
         head_modes = st.row_modes[li, : md.num_reqs]
         if st.ops == "torch":
             torch_attention(

@@ -284,6 +284,44 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
     vc[slots] = value[: slots.shape[0]].to(vc.dtype)
 
 
+def flash_attn_dense(dtype, head_size: int) -> tuple[Callable | None, str]:
+    """vLLM's own FlashAttention varlen kernel over a paged cache, for steps whose every head is full
+    attention; (None, why) where there is none. Only FA3 (Hopper) and FA4 (Blackwell) are taken: the
+    staged GPU build ships no FA2, and FA3 is the FLASH_ATTN default these steps must match.
+
+    The returned ``fn(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, max_query_len,
+    max_seq_len, scale)`` computes causal attention of ``q`` [T, Hq, D] (rows packed by query_start_loc,
+    the last q_len positions of each sequence) over the [num_blocks, block_size, Hkv, D] views of
+    :func:`split_kv_cache` (head stride 2*D: FA3 takes per-dimension strides)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None, f"dtype {dtype} (FlashAttention runs fp16 / bf16)"
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        return None, f"vllm.vllm_flash_attn is not importable ({e})"
+    try:
+        version = get_flash_attn_version(head_size=head_size)
+    except Exception as e:  # the probe itself failing is a reason too, never an engine crash
+        return None, f"FlashAttention version probe failed ({e!r:.200})"
+    if version not in (3, 4):
+        return None, f"FlashAttention version {version} (only 3 and 4 are used)"
+
+    def fn(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, max_query_len, max_seq_len, scale):
+        flash_attn_varlen_func(
+            q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len,
+            seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
+            block_table=block_table, fa_version=version,
+        )  # fmt: skip
+        return out
+
+    return fn, f"vLLM FlashAttention {version}"
+
+
 # --- model runner hooks -----------------------------------------------------------------------
 class RunnerObserver:
     """What the hooks tell the engine state (implemented by state.EngineState)."""

@@ -60,6 +60,7 @@ class Counters:
     invalid_overrides: int = 0  # unknown elastic_force values that reached the worker
     mixed_steps: int = 0  # steps whose batch mixed rows with a final routing (decodes) and rows routed now
     fused_route_layers: int = 0  # (layer, step) routings whose tables the router kernel wrote itself
+    dense_steps: int = 0  # steps whose every head was full attention, run by vLLM's FlashAttention kernel
     _published: dict[str, int] = field(default_factory=dict, repr=False)
 
     def snapshot(self) -> dict[str, int]:
@@ -138,6 +139,7 @@ def publish_counters() -> None:
     for name, doc in (
         ("forward_calls", "Elastic attention forward calls (one per layer and step)."),
         ("routed_rows", "Request rows the elastic router ran for (final and prefix-chunk routings)."),
+        ("dense_steps", "Steps whose every head was full attention, run by vLLM's FlashAttention kernel."),
     ):
         value = getattr(COUNTERS, name)
         delta = value - COUNTERS._published.get(name, 0)

@@ -190,6 +190,23 @@ def is_vllm_warmup_request(req_id: str) -> bool:
     return VLLM_WARMUP_REQ_ID.fullmatch(req_id) is not None
 
 
+def row_is_dense(cfg: ElasticConfig, seq_len: int, force: str, sa_share: float | None, decode_phase: bool) -> bool:
+    """True when every KV head of a row computes exactly full causal attention at this step, whatever the
+    router decides: the step can then run vLLM's FlashAttention kernel instead of the hybrid one.
+
+    - FA-SSA only (an XA head drops blocks even in a short sequence);
+    - ``seq_len <= sink + window``: a streaming head sees every causal key (a key j <= i is hidden only when
+      j >= sink and i - j >= window, i.e. i >= sink + window), so SSA == FA, for prompt and decode queries;
+    - decode queries with ``decode_mode="dense"``, or of a request forced all-FA: every head FA;
+    - prompt queries of a request forced all-FA (without a fixed SA share)."""
+    if cfg.mode != "FA-SSA":
+        return False
+    if seq_len <= cfg.sink + cfg.window:
+        return True
+    all_fa = force == "all-FA" and sa_share is None
+    return (decode_phase and cfg.decode_mode == "dense") or all_fa
+
+
 @dataclass
 class RequestState:
     req_id: str
@@ -247,6 +264,7 @@ class StepPlan:
     rows: list[RequestState | None]
     query_start_loc: list[int]
     seq_lens: list[int]
+    dense: bool = False  # every head of every row is full attention: vLLM's FlashAttention runs the step
 
 
 class EngineState(compat.RunnerObserver):
@@ -301,6 +319,8 @@ class EngineState(compat.RunnerObserver):
         self.in_step = False
         self.plan: StepPlan | None = None
         self.attached = False
+        self.dense_attention = None  # vLLM's FlashAttention for all-FA steps (set by warmup after its check)
+        self.warmed = False
         self._live_published = -1  # last value of the elastic:live_requests gauge
         logger.info(
             "elastic attention: %s, router %s, ops=%s, tp %d/%d (KV heads %s)",
@@ -482,6 +502,7 @@ class EngineState(compat.RunnerObserver):
         slot_of_row = [self.dense_slot] * B
         decode_row = [False] * B
         route_rows: list[RouteRow] = []
+        dense = True  # rows without a request or not routed read the reserved all-FA slot
         for b in range(B):
             q_len = qsl[b + 1] - qsl[b]
             st = self.requests.get(rows[b]) if b < len(rows) and rows[b] is not None else None
@@ -498,6 +519,7 @@ class EngineState(compat.RunnerObserver):
             start = seq_len - q_len
             decode_phase = start >= st.prompt_len
             slot = int(req_idx[b]) if req_idx is not None else self._slot(st)
+            routed = True
             if st.final:
                 slot_of_row[b] = st.table_slot
                 decode_row[b] = decode_phase
@@ -508,6 +530,10 @@ class EngineState(compat.RunnerObserver):
                 st.pending = True
             elif st.force != "auto" or st.sa_share is not None or self.cfg.chunk_routing == "prefix":
                 route_rows.append(RouteRow(b, seq_len, st.force, False, None, st.sa_share))
+            else:
+                routed = False  # a chunk before the prompt's end under chunk_routing="dense": all FA
+            if routed and dense:
+                dense = row_is_dense(self.cfg, seq_len, st.force, st.sa_share, decode_phase)
         # rows with a final routing (and dummy rows: the reserved all-FA slot) from the table
         idx = torch.tensor(slot_of_row, dtype=torch.long).to(self.device, non_blocking=True)
         modes = self.table_modes.index_select(0, idx)  # [B, L, H]
@@ -528,7 +554,13 @@ class EngineState(compat.RunnerObserver):
                 share_fa=self.share_table,
             )
             observe.COUNTERS.routed_rows += len(route_rows)
-        self.plan = StepPlan(route=route, rows=states, query_start_loc=qsl, seq_lens=self._host_seq_lens(common, B))
+        # decode-only steps keep the decode kernel: they replay FULL CUDA graphs, captured from it
+        dense = dense and self.dense_attention is not None and int(common.max_query_len) > 1
+        if dense:
+            observe.COUNTERS.dense_steps += 1
+        self.plan = StepPlan(
+            route=route, rows=states, query_start_loc=qsl, seq_lens=self._host_seq_lens(common, B), dense=dense
+        )
         return self.plan
 
     @staticmethod

@@ -125,6 +125,48 @@ def test_triton_kernels_path_equals_torch_path(tiny):
     assert modes == {1, 2}  # both SSA and XA heads ran
 
 
+def test_dense_steps_keep_tokens_and_routing(tiny):
+    """Steps whose every head is FA (prompts within sink + window, forced all-FA, dense decode) go to the dense
+    kernel; routing still runs (same decisions, same metrics) and tokens are those of the elastic kernels.
+    The dense kernel here is the PyTorch reference (there is no FlashAttention on the CPU); the real one is
+    checked on the GPU (tests/gpu/check_vllm.py). Prompts of ~16 tokens are within sink + window (2 + 24);
+    doubled (~33) they are not, so their auto prefill keeps the hybrid kernel."""
+    from elastic_vllm.reference.attention import dense_paged_attention
+
+    from .conftest import elastic_states
+
+    model, router = tiny["llama"]
+    cfg = {"elastic": {"sink": 2, "window": 24, "router_path": str(router)}, "elastic_ops": "triton"}
+    short, long = PROMPTS[:2], [p + " " + p for p in PROMPTS[:1]]
+    llm = make_llm(model, attention_backend="elastic", additional_config=cfg, **ENGINE)
+    calls = []
+
+    def dense(*a):
+        calls.append(a[4].numel() - 1)  # rows of the step
+        return dense_paged_attention(*a)
+
+    def run(prompts, force=None):
+        before = observe.COUNTERS.dense_steps
+        outs = llm.generate(prompts, greedy(3, force=force), use_tqdm=False)
+        return [(o.outputs[0].token_ids, event_of(o.request_id)) for o in outs], observe.COUNTERS.dense_steps - before
+
+    try:
+        (st,) = [s for s in elastic_states() if s.cfg.window == 24]
+        assert st.dense_attention is None  # no FlashAttention on the CPU: nothing was admitted
+        base = {"short": run(short)[0], "long": run(long)[0], "long_fa": run(long, "all-FA")[0]}
+        st.dense_attention = dense
+        got = {"short": run(short), "long": run(long), "long_fa": run(long, "all-FA")}
+    finally:
+        close_llm(llm)
+    assert got["short"][1] >= 1 and got["long_fa"][1] >= 1 and got["long"][1] == 0
+    assert calls and all(n >= 1 for n in calls)
+    for k, (outs, _) in got.items():
+        for (t_a, e_a), (t_b, e_b) in zip(base[k], outs):
+            assert t_a == t_b, k
+            assert torch.equal(e_a.decisions, e_b.decisions) and torch.equal(e_a.head_modes, e_b.head_modes), k
+            assert e_a.omega_msr == e_b.omega_msr and e_a.omega_esr == e_b.omega_esr, k
+
+
 def test_preemption_reroutes_identically(tiny):
     """A KV cache too small for the batch: vLLM preempts and later recomputes requests; their routing is
     recomputed from the same keys, equals the first one, and is recorded once."""
