@@ -165,6 +165,16 @@ case "$step" in
     python3 benchmarks/accuracy.py --model "$M" --router "${ROUTER:-/tmp/router}" --lengths ${LENGTHS:-4096 8192} \
       --samples ${SAMPLES:-20} --out "$OUT/accuracy" --device cuda --time-budget ${BUDGET:-300} \
       ${METHODS:+--methods $METHODS} ${IMPL:+--impl $IMPL} 2>&1 | grep -v Warning | tail -40 ;;
+  serve)
+    # benchmarks/serve_bench.py: `vllm serve` + `vllm bench serve`, elastic vs FLASH_ATTN. SERVERS (comma list of
+    # llama-base, llama-elastic, demo-base, demo-elastic), WORKLOADS, MERGE (earlier outputs in /tmp/sb to keep),
+    # SB_NAME (the output's name), BUDGET (s). The plugin's entry point needs the tree pip-installed (editable).
+    M=$(demo)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/pip-e.log 2>&1 || { tail /tmp/pip-e.log; exit 1; }
+    mkdir -p /tmp/sb "$OUT"
+    python3 benchmarks/serve_bench.py --demo-model "$M" --servers "${SERVERS:?}" ${WORKLOADS:+--workloads $WORKLOADS} \
+      --out /tmp/sb/"${SB_NAME:-serve}".json ${MERGE:+--merge $MERGE} --budget "${BUDGET:-540}" 2>&1 | tail -60 || true
+    cp /tmp/sb/"${SB_NAME:-serve}".json /tmp/sb/"${SB_NAME:-serve}".md "$OUT/" ;;
   kernels)
     timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check_kernels.json" 2>&1 | tail -40 || true
     python3 benchmarks/kernels.py --out "$OUT/kernels.json" --budget ${BUDGET:-200} 2>&1 | tail -45 ;;

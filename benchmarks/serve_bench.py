@@ -1,0 +1,468 @@
+#!/usr/bin/env python3
+"""Serving benchmark: ``vllm serve`` with the elastic backend against vLLM's default attention backend, driven by
+vLLM's own benchmark client (``vllm bench serve``), both at vLLM's serving defaults (chunked prefill, prefix
+caching, torch.compile + CUDA graphs).
+
+    python3 benchmarks/serve_bench.py --demo-model DIR [--workloads 1k,8k,...] [--out FILE.json]
+    python3 benchmarks/serve_bench.py --dry            # CPU: tiny shapes, CPU_ATTN as the baseline
+
+One server per (model, backend); each workload runs twice on it with fresh random prompts: ``cold`` is the
+first burst of that workload's shapes after the server started (the 1K workload's is the first request
+burst at all), ``warm`` the second. Server logs are read between bursts for vLLM's JIT monitor warnings
+(``--jit-monitor-verbose``: every Triton compilation during inference is logged).
+
+Workloads (``WORKLOADS``): the Llama-3.1-8B shape with dummy weights and the demo model's tokenizer (its
+vocabulary, 49152 ids), elastic with a fixed-share router that sends whole layers to SA (Omega_MSR exactly 0.75
+through the normal routing path); all-FA requests (``elastic_force: all-FA`` in the request body) against
+the baseline's rows of the same shape; and the demo model with its shipped router on mixed 1K-7K prompts.
+
+Writes the client's JSON of every run as written, the ratios elastic / baseline, the targets, GPU, versions
+and commit to ``--out``, and a Markdown table next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from e2e_vllm import LLAMA_8B, TINY  # noqa: E402  (the model shapes of the e2e benchmark)
+
+T0 = time.time()
+K = 1024
+CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+JIT_MARK = "during inference"
+
+# name: model, prompt / output tokens, prompts, concurrency, request override, the baseline row it is compared with
+WORKLOADS = {
+    "1k": dict(model="llama", input=1 * K, output=128, prompts=400, concurrency=64),
+    "8k": dict(model="llama", input=8 * K, output=128, prompts=64, concurrency=16),
+    "32k": dict(model="llama", input=32 * K, output=64, prompts=16, concurrency=4),
+    "128k": dict(model="llama", input=128 * K, output=16, prompts=3, concurrency=1),
+    "fa32k": dict(model="llama", input=32 * K, output=64, prompts=16, concurrency=4, force="all-FA", base="32k"),
+    "fa128k": dict(model="llama", input=128 * K, output=16, prompts=3, concurrency=1, force="all-FA", base="128k"),
+    # mixed chat lengths: 1K-7K tokens (the demo model's context is 8K)
+    "demo": dict(model="demo", input=4 * K, range_ratio=0.75, output=128, prompts=256, concurrency=32),
+}
+DRY = {  # --dry: the same plumbing at CPU size
+    "1k": dict(model="llama", input=64, output=4, prompts=6, concurrency=3),
+    "fa32k": dict(model="llama", input=160, output=4, prompts=2, concurrency=1, force="all-FA", base="32k"),
+    "32k": dict(model="llama", input=160, output=4, prompts=2, concurrency=1),
+}
+SHARE = 0.75  # Omega_MSR of the Llama-shape elastic server: whole layers to SA
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
+
+
+def sh(*a: str) -> str:
+    try:
+        return subprocess.run(a, capture_output=True, text=True, timeout=20, cwd=ROOT).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def environment(argv: list[str]) -> dict:
+    import torch
+
+    env = {
+        "command": " ".join(["python3", "benchmarks/serve_bench.py", *argv]),
+        "git_commit": os.environ.get("GIT_COMMIT") or sh("git", "rev-parse", "--short", "HEAD") or "unknown",
+        "git_dirty": bool(sh("git", "status", "--porcelain", "--untracked-files=no")),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+    }
+    for mod in ("vllm", "triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception as e:
+            env[mod] = f"unavailable ({type(e).__name__})"
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_count"] = torch.cuda.device_count()
+    else:
+        env["gpu"] = "none (CPU)"
+    return env
+
+
+# --- models ---------------------------------------------------------------------------------------------
+def llama_dir(work: Path, demo: Path, max_model_len: int, dry: bool) -> Path:
+    """The Llama-3.1-8B config (tiny with --dry) over the demo model's tokenizer: vLLM's random dataset draws
+    token ids from the tokenizer, so the vocabulary is the tokenizer's."""
+    cfg = dict(LLAMA_8B)
+    if dry:
+        cfg.update(TINY, torch_dtype="float32")
+    demo_cfg = json.loads((demo / "config.json").read_text())
+    cfg.update(
+        vocab_size=demo_cfg["vocab_size"], bos_token_id=demo_cfg.get("bos_token_id"),
+        eos_token_id=demo_cfg.get("eos_token_id"), max_position_embeddings=max(max_model_len, 131072),
+    )  # fmt: skip
+    d = work / "llama-3.1-8b-shape"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in demo.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def fixed_share_router(model_dir: Path, work: Path, share: float) -> Path:
+    """A router whose decisions do not depend on the input: the last layer's weights are zero and its bias
+    picks FA for the first round((1 - share) * L) layers and SA for the rest, so every request realizes
+    Omega_MSR = round(share * L) / L through the normal routing path (the router's cost is paid as in serving)."""
+    import torch
+
+    from elastic_vllm.router.checkpoint import BackboneMeta, BackboneShape, RouterMeta, save_router
+    from elastic_vllm.router.model import ElasticRouter
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    shape = BackboneShape.from_hf_config(type("C", (), cfg))
+    torch.manual_seed(0)
+    r = ElasticRouter(shape.num_layers, shape.head_dim)
+    n_fa = shape.num_layers - round(share * shape.num_layers)
+    with torch.no_grad():
+        for i, layer in enumerate(r.layers):
+            last = layer.cls_router_head_agnostic[-1]
+            last.weight.zero_()
+            last.bias.copy_(torch.tensor([0.0, 8.0] if i < n_fa else [8.0, 0.0]))  # index 1 = FA
+    meta = RouterMeta(
+        backbone=BackboneMeta(**shape.model_dump(), id="llama-3.1-8b-shape", model_type="llama"),
+        training={"note": f"fixed-share router (benchmarks/serve_bench.py): Omega_MSR {share}, whole layers SA"},
+    )
+    return save_router(r, work / f"router-share-{share}", meta)
+
+
+# --- server and client ----------------------------------------------------------------------------------
+class Server:
+    """``vllm serve`` in its own process group; its log is read between bursts."""
+
+    def __init__(self, model: Path, name: str, backend: str, args: list[str], env: dict, log_path: Path):
+        self.port = _free_port()
+        self.name = name
+        self.log_path = log_path
+        argv = [*CLI, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port)]
+        argv += ["--served-model-name", name, "--attention-backend", backend, "--jit-monitor-verbose", *args]
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.t0 = time.time()
+        self.argv = argv
+
+    def wait_ready(self, timeout_s: float) -> float:
+        while time.time() - self.t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.time() - self.t0
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def log_size(self) -> int:
+        self._log.flush()
+        return self.log_path.stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log_path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench(server: Server, tokenizer: Path, w: dict, seed: int, out_dir: Path, tag: str) -> dict:
+    """One run of vLLM's benchmark client: the code of ``vllm bench serve`` (``vllm.benchmarks.serve``), called in
+    this process so that its import (~15 s) is paid once, not per run. Returns its result JSON as it saves it."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    fname = f"{tag}.json"
+    argv = [
+        "--backend", "vllm", "--base-url", f"http://127.0.0.1:{server.port}",
+        "--model", server.name, "--tokenizer", str(tokenizer), "--dataset-name", "random",
+        "--random-input-len", str(w["input"]), "--random-output-len", str(w["output"]),
+        "--random-range-ratio", str(w.get("range_ratio", 0.0)), "--num-prompts", str(w["prompts"]),
+        "--max-concurrency", str(w["concurrency"]), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--result-dir", str(out_dir), "--result-filename", fname,
+    ]  # fmt: skip
+    if w.get("force"):
+        argv += ["--extra-body", json.dumps({"vllm_xargs": {"elastic_force": w["force"]}})]
+    p = FlexibleArgumentParser()
+    add_cli_args(p)
+    main(p.parse_args(argv))
+    data = json.loads((out_dir / fname).read_text())
+    # the client's JSON as written, less its per-request arrays (generated texts, every ITL: ~1 MB a run)
+    dropped = [k for k, v in data.items() if isinstance(v, list) and len(v) > 16]
+    data = {k: v for k, v in data.items() if k not in dropped}
+    data["_per_request_arrays_dropped"] = dropped
+    data["_client_argv"] = "vllm bench serve " + " ".join(argv)
+    return data
+
+
+KEEP = (
+    "duration", "completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
+    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms",
+)  # fmt: skip
+
+
+def summary(d: dict) -> dict:
+    return {k: d.get(k) for k in KEEP}
+
+
+# --- one server, its workloads --------------------------------------------------------------------------
+def serve_and_run(
+    label: str, model: Path, name: str, backend: str, args: list[str], workloads: list[str], table: dict,
+    work: Path, env: dict, deadline: float, startup_s: float,
+) -> dict:  # fmt: skip
+    log_path = work / f"server-{label}.log"
+    run_env = dict(env)
+    if backend != "elastic":
+        run_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    else:
+        prom = Path(tempfile.mkdtemp(prefix="serve-bench-prom-"))
+        run_env["PROMETHEUS_MULTIPROC_DIR"] = str(prom)
+    log(f"{label}: starting {backend} on {model.name}")
+    server = Server(model, name, backend, args, run_env, log_path)
+    rec: dict = {"backend": backend, "model": name, "server_argv": " ".join(server.argv[len(CLI) :]), "runs": {}}
+    try:
+        rec["startup_s"] = round(server.wait_ready(startup_s), 1)
+        log(f"{label}: ready in {rec['startup_s']} s")
+        rec["startup_jit_lines"] = server.log_since(0).count(JIT_MARK)
+        for wname in workloads:
+            w = table[wname]
+            for burst, seed in (("cold", 1), ("warm", 2)):
+                if time.time() > deadline:
+                    rec["runs"].setdefault(wname, {})[burst] = {"skipped": "time budget"}
+                    log(f"{label}: {wname} {burst} skipped (time budget)")
+                    continue
+                off = server.log_size()
+                data = bench(server, model, w, seed, work, f"{label}-{wname}-{burst}")
+                jit = [ln for ln in server.log_since(off).splitlines() if JIT_MARK in ln]
+                rec["runs"].setdefault(wname, {})[burst] = {"summary": summary(data), "jit": jit, "client": data}
+                s = summary(data)
+                log(f"{label}: {wname} {burst}: {s['output_throughput']:.1f} tok/s, TTFT median "
+                    f"{s['median_ttft_ms']:.0f} p99 {s['p99_ttft_ms']:.0f} ms, TPOT {s['median_tpot_ms']:.1f} ms, "
+                    f"JIT {len(jit)}")  # fmt: skip
+        if backend == "elastic":
+            # the warm-up's report: compile time and what runs all-FA steps (FlashAttention admitted, or why not)
+            rec["elastic_log"] = [ln for ln in server.log_since(0).splitlines() if "elastic:" in ln][:20]
+            m = server.metrics()
+            rec["elastic_metrics"] = [ln for ln in m.splitlines() if ln.startswith("elastic:") and "_bucket" not in ln]
+    except Exception as e:
+        rec["error"] = f"{e}"[-3000:]
+        log(f"{label}: ERROR {str(e)[:400]}")
+    finally:
+        server.stop()
+        rec["server_log_tail"] = server.tail(2000)
+    return rec
+
+
+def ratios(base: dict, el: dict) -> dict:
+    b, e = base["summary"], el["summary"]
+    return {
+        "throughput": e["output_throughput"] / b["output_throughput"],
+        "median_ttft": e["median_ttft_ms"] / b["median_ttft_ms"],
+        "p99_ttft": e["p99_ttft_ms"] / b["p99_ttft_ms"],
+        "median_tpot": e["median_tpot_ms"] / b["median_tpot_ms"] if b["median_tpot_ms"] else None,
+        "ttft_speedup": b["median_ttft_ms"] / e["median_ttft_ms"],
+    }
+
+
+def compare(results: dict, table: dict) -> list[dict]:
+    """Rows elastic / baseline for every (workload, burst) both servers ran."""
+    rows = []
+    for pair, (bkey, ekey) in {"llama": ("llama-base", "llama-elastic"), "demo": ("demo-base", "demo-elastic")}.items():
+        base, el = results.get(bkey), results.get(ekey)
+        if not base or not el:
+            continue
+        for wname, runs in el["runs"].items():
+            bw = table[wname].get("base", wname)
+            for burst, r in runs.items():
+                br = base["runs"].get(bw, {}).get(burst)
+                if "summary" not in r or not br or "summary" not in br:
+                    continue
+                rows.append({"model": pair, "workload": wname, "burst": burst, "baseline_row": bw,
+                             **{k: round(v, 3) if v is not None else None for k, v in ratios(br, r).items()},
+                             "jit_elastic": len(r["jit"]), "jit_baseline": len(br["jit"])})  # fmt: skip
+    return rows
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The serving targets (ratios elastic / baseline of one run)."""
+    out = []
+
+    def find(w, burst):
+        return [r for r in rows if r["workload"] == w and r["burst"] == burst]
+
+    for w in ("1k", "8k"):
+        for burst in ("cold", "warm"):
+            for r in find(w, burst):
+                out.append({"what": f"{w} {burst}: throughput >= 1.00x, median TTFT <= 1.00x, p99 TTFT <= 1.05x, no JIT",
+                            "value": f"{r['throughput']:.2f}x / {r['median_ttft']:.2f}x / {r['p99_ttft']:.2f}x, JIT {r['jit_elastic']}",
+                            "met": r["throughput"] >= 1.0 and r["median_ttft"] <= 1.0 and r["p99_ttft"] <= 1.05
+                            and r["jit_elastic"] == 0})  # fmt: skip
+    for w in ("fa32k", "fa128k"):
+        for r in find(w, "warm"):
+            out.append({"what": f"{w}: TTFT speed >= 0.98x", "value": f"{r['ttft_speedup']:.2f}x",
+                        "met": r["ttft_speedup"] >= 0.98})  # fmt: skip
+    for r in find("demo", "warm"):
+        out.append({"what": "demo mixed chat: TTFT speed and throughput >= 0.95x",
+                    "value": f"{r['ttft_speedup']:.2f}x / {r['throughput']:.2f}x",
+                    "met": r["ttft_speedup"] >= 0.95 and r["throughput"] >= 0.95})  # fmt: skip
+    for r in find("32k", "warm"):
+        out.append({"what": "32k/64 @4: throughput >= 1.35x", "value": f"{r['throughput']:.2f}x",
+                    "met": r["throughput"] >= 1.35})  # fmt: skip
+    for r in find("128k", "warm"):
+        out.append({"what": "128k: TTFT speed >= 2.0x", "value": f"{r['ttft_speedup']:.2f}x",
+                    "met": r["ttft_speedup"] >= 2.0})  # fmt: skip
+    return out
+
+
+def markdown(d: dict) -> str:
+    env = d["environment"]
+    lines = [
+        f"# Serving: elastic vs {d['baseline']} ({env.get('gpu')})",
+        "",
+        f"vLLM {env.get('vllm')}, torch {env.get('torch')}, triton {env.get('triton')}, commit {env['git_commit']}"
+        f"{' (uncommitted changes)' if env.get('git_dirty') else ''}. Command: `{env['command']}`.",
+        "",
+        "Ratios elastic / baseline from one run (`vllm bench serve`, random prompts, `--ignore-eos`); TTFT speed is"
+        " baseline / elastic median TTFT.",
+        "",
+        "| model | workload | burst | throughput | median TTFT | p99 TTFT | median TPOT | TTFT speed | JIT (elastic) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["comparison"]:
+        tpot = f"{r['median_tpot']:.2f}x" if r["median_tpot"] is not None else "-"
+        lines.append(
+            f"| {r['model']} | {r['workload']} | {r['burst']} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
+            f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} |"
+        )
+    if d["targets"]:
+        lines += ["", "| target | measured | |", "|---|---|---|"]
+        lines += [f"| {t['what']} | {t['value']} | {'met' if t['met'] else 'not met'} |" for t in d["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--demo-model", type=Path, help="the demo model folder (default: elastic_vllm.models.fetch_demo_model)"
+    )
+    p.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
+    p.add_argument("--servers", default="llama-base,llama-elastic,demo-base,demo-elastic")
+    p.add_argument("--baseline", default=None, help="the baseline backend (default FLASH_ATTN on CUDA, CPU_ATTN else)")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/serve-vs-flash-attn-h200.json")
+    p.add_argument("--merge", type=Path, nargs="*", default=[], help="earlier --out files whose servers to keep")
+    p.add_argument("--budget", type=float, default=1e9, help="seconds; later bursts are skipped past it")
+    p.add_argument("--dry", action="store_true", help="CPU plumbing check: tiny shapes")
+    a = p.parse_args(argv)
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    table = DRY if a.dry else WORKLOADS
+    names = [w for w in (a.workloads.split(",") if a.workloads else table) if w in table]
+    baseline = a.baseline or ("FLASH_ATTN" if cuda else "CPU_ATTN")
+    deadline = T0 + a.budget
+    if a.demo_model is None:
+        from elastic_vllm.models import fetch_demo_model
+
+        a.demo_model = fetch_demo_model()
+    work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               TOKENIZERS_PARALLELISM="false", VLLM_USE_FLASHINFER_SAMPLER="0")  # fmt: skip
+    common: list[str] = []
+    if not cuda:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # float32 and eager: bf16 matmuls and torch.compile take minutes on a 2-core CPU
+        common = ["--dtype", "float32", "--max-num-batched-tokens", "256", "--enforce-eager"]
+    llama_names = [w for w in names if table[w]["model"] == "llama"]
+    demo_names = [w for w in names if table[w]["model"] == "demo"]
+    mml = max([table[w]["input"] + table[w]["output"] for w in llama_names] or [1024])
+    llama = llama_dir(work, a.demo_model, mml, a.dry)
+    share_router = fixed_share_router(llama, work, SHARE)
+    el_llama = {"router_path": str(share_router)}
+    el_demo = {"sink": 128, "window": 512}  # the shipped router's training sink / window
+    servers = {
+        "llama-base": (llama, "llama", baseline, ["--load-format", "dummy", "--max-model-len", str(mml)], llama_names),
+        "llama-elastic": (llama, "llama", "elastic", ["--load-format", "dummy", "--max-model-len", str(mml),
+                          "--additional-config", json.dumps({"elastic": el_llama})], llama_names),
+        "demo-base": (a.demo_model, "demo", baseline, [], demo_names),
+        "demo-elastic": (a.demo_model, "demo", "elastic", ["--additional-config", json.dumps({"elastic": el_demo})],
+                         demo_names),
+    }  # fmt: skip
+    results: dict = {}
+    for path in a.merge:
+        results.update(json.loads(path.read_text())["servers"])
+    for label in a.servers.split(","):
+        model, name, backend, args, wl = servers[label]
+        if backend != "elastic":  # overrides are elastic's: the baseline's row of the same shape is compared
+            wl = [w for w in wl if not table[w].get("force")]
+        if not wl:
+            continue
+        results[label] = serve_and_run(label, model, name, backend, [*common, *args], wl, table, work, env,
+                                       deadline, startup_s=900)  # fmt: skip
+    rows = compare(results, table)
+    d = {
+        "benchmark": "serve_bench",
+        "environment": environment(argv),
+        "baseline": baseline,
+        "workloads": {w: table[w] for w in names},
+        "elastic_config": {"llama": {**el_llama, "router": f"fixed share {SHARE}"}, "demo": el_demo},
+        "comparison": rows,
+        "targets": targets(rows) if not a.dry else [],
+        "servers": results,
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(d, indent=1, default=str))
+    a.out.with_suffix(".md").write_text(markdown(d))
+    print(markdown(d))
+    errors = [k for k, v in results.items() if v.get("error")]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
