@@ -270,7 +270,9 @@ def serve_and_run(
         rec["startup_jit_lines"] = server.log_since(0).count(JIT_MARK)
         for wname in workloads:
             w = table[wname]
-            for burst, seed in (("cold", 1), ("warm", 2)):
+            # prompts of their own for every burst of every workload: a repeated prompt would hit the prefix cache
+            base_seed = 1 + 2 * list(table).index(wname)
+            for burst, seed in (("cold", base_seed), ("warm", base_seed + 1)):
                 if time.time() > deadline:
                     rec["runs"].setdefault(wname, {})[burst] = {"skipped": "time budget"}
                     log(f"{label}: {wname} {burst} skipped (time budget)")
@@ -364,7 +366,10 @@ def markdown(d: dict) -> str:
         f"# Serving: elastic vs {d['baseline']} ({env.get('gpu')})",
         "",
         f"vLLM {env.get('vllm')}, torch {env.get('torch')}, triton {env.get('triton')}, commit {env['git_commit']}"
-        f"{' (uncommitted changes)' if env.get('git_dirty') else ''}. Command: `{env['command']}`.",
+        f"{' (uncommitted changes)' if env.get('git_dirty') else ''}. Command: `{env['command']}`"
+        + (f"; report: `{env['report_command']}`" if env.get("report_command") else "")
+        + "".join(f"; merged: `{m['command']}` ({m['git_commit']})" for m in d.get("merged_from", [])[1:])
+        + ".",
         "",
         "Ratios elastic / baseline from one run (`vllm bench serve`, random prompts, `--ignore-eos`); TTFT speed is"
         " baseline / elastic median TTFT.",
@@ -394,7 +399,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", default="llama-base,llama-elastic,demo-base,demo-elastic")
     p.add_argument("--baseline", default=None, help="the baseline backend (default FLASH_ATTN on CUDA, CPU_ATTN else)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/serve-vs-flash-attn-h200.json")
-    p.add_argument("--merge", type=Path, nargs="*", default=[], help="earlier --out files whose servers to keep")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="earlier --out files to keep; a later file's runs replace an earlier one's (server, workload)",
+    )
+    p.add_argument("--report", action="store_true", help="run nothing: compare the --merge files and write --out")
     p.add_argument("--budget", type=float, default=1e9, help="seconds; later bursts are skipped past it")
     p.add_argument("--dry", action="store_true", help="CPU plumbing check: tiny shapes")
     a = p.parse_args(argv)
@@ -406,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [w for w in (a.workloads.split(",") if a.workloads else table) if w in table]
     baseline = a.baseline or ("FLASH_ATTN" if cuda else "CPU_ATTN")
     deadline = T0 + a.budget
-    if a.demo_model is None:
+    if a.demo_model is None and not a.report:
         from elastic_vllm.models import fetch_demo_model
 
         a.demo_model = fetch_demo_model()
@@ -422,11 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     llama_names = [w for w in names if table[w]["model"] == "llama"]
     demo_names = [w for w in names if table[w]["model"] == "demo"]
     mml = max([table[w]["input"] + table[w]["output"] for w in llama_names] or [1024])
-    llama = llama_dir(work, a.demo_model, mml, a.dry)
-    share_router = fixed_share_router(llama, work, SHARE)
-    el_llama = {"router_path": str(share_router)}
+    el_llama: dict = {}
+    if not a.report:
+        llama = llama_dir(work, a.demo_model, mml, a.dry)
+        el_llama = {"router_path": str(fixed_share_router(llama, work, SHARE))}
     el_demo = {"sink": 128, "window": 512}  # the shipped router's training sink / window
-    servers = {
+    servers = {} if a.report else {
         "llama-base": (llama, "llama", baseline, ["--load-format", "dummy", "--max-model-len", str(mml)], llama_names),
         "llama-elastic": (llama, "llama", "elastic", ["--load-format", "dummy", "--max-model-len", str(mml),
                           "--additional-config", json.dumps({"elastic": el_llama})], llama_names),
@@ -435,9 +448,17 @@ def main(argv: list[str] | None = None) -> int:
                          demo_names),
     }  # fmt: skip
     results: dict = {}
+    merged_from = []
     for path in a.merge:
-        results.update(json.loads(path.read_text())["servers"])
-    for label in a.servers.split(","):
+        d0 = json.loads(path.read_text())
+        merged_from.append({"file": path.name, "command": d0["environment"]["command"],
+                            "git_commit": d0["environment"]["git_commit"]})  # fmt: skip
+        for label, rec in d0["servers"].items():
+            if label in results:
+                results[label]["runs"].update(rec["runs"])
+            else:
+                results[label] = rec
+    for label in [] if a.report else a.servers.split(","):
         model, name, backend, args, wl = servers[label]
         if backend != "elastic":  # overrides are elastic's: the baseline's row of the same shape is compared
             wl = [w for w in wl if not table[w].get("force")]
@@ -446,15 +467,21 @@ def main(argv: list[str] | None = None) -> int:
         results[label] = serve_and_run(label, model, name, backend, [*common, *args], wl, table, work, env,
                                        deadline, startup_s=900)  # fmt: skip
     rows = compare(results, table)
+    env_rec = environment(argv)
+    if a.report and a.merge:  # the machine and versions are the runs', the command is this report's
+        first = json.loads(a.merge[0].read_text())
+        baseline = first["baseline"]
+        env_rec = {**first["environment"], "report_command": env_rec["command"]}
     d = {
         "benchmark": "serve_bench",
-        "environment": environment(argv),
+        "environment": env_rec,
         "baseline": baseline,
         "workloads": {w: table[w] for w in names},
         "elastic_config": {"llama": {**el_llama, "router": f"fixed share {SHARE}"}, "demo": el_demo},
         "comparison": rows,
         "targets": targets(rows) if not a.dry else [],
         "servers": results,
+        "merged_from": merged_from,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(d, indent=1, default=str))

@@ -82,9 +82,26 @@ def _heavy_first_program(seq_lens, head_modes, head_mode_slots, s_hm0, s_hm1, nu
     return t % num_splits, i_p % hkv, i_p // hkv, seq_len, mode
 
 
-# num_splits / min_tiles follow the longest context of the step: not specialised, so one compiled kernel
-# serves every length (the merge kernel's BLOCK_S, a power of two of the splits, is compiled at warm-up).
-@triton.jit(do_not_specialize=["num_splits", "min_tiles"])
+# num_splits / min_tiles follow the longest context of the step, strides the engine's block table and cache:
+# not specialised, so one compiled kernel serves every length and the warm-up's synthetic batch (the merge kernel's BLOCK_S, a power of two of the splits, is compiled at warm-up).
+@triton.jit(
+    do_not_specialize=[
+        "num_splits",
+        "min_tiles",
+        "s_qb",
+        "s_qh",
+        "s_ob",
+        "s_oh",
+        "s_kb",
+        "s_kt",
+        "s_kh",
+        "s_vb",
+        "s_vt",
+        "s_vh",
+        "s_bt",
+        "s_hm0",
+    ]
+)
 def _decode_kernel(
     q,
     k_cache,

@@ -227,8 +227,30 @@ def _xa_loop(
 # A step's prefill rows start after its decode rows, so seq_lens / block_table / head_modes arrive offset by
 # num_decodes elements (16-byte alignment comes and goes) and num_reqs takes any value; specialising on them
 # compiled new variants while serving (vLLM's JIT monitor flagged _prefill_kernel in the first 1K-prompt burst).
+# Strides are not specialised either: the block table's row stride follows max_model_len, so the warm-up's
+# synthetic batch would otherwise compile another variant than the engine's (seen in the first 8K burst).
 @triton.jit(
-    do_not_specialize=["n_tiles", "num_reqs", "s_xi0", "s_xi1", "s_xi2", "s_xc0", "s_xc1"],
+    do_not_specialize=[
+        "n_tiles",
+        "num_reqs",
+        "s_qt",
+        "s_qh",
+        "s_ot",
+        "s_oh",
+        "s_kb",
+        "s_kt",
+        "s_kh",
+        "s_vb",
+        "s_vt",
+        "s_vh",
+        "s_bt",
+        "s_hm0",
+        "s_xi0",
+        "s_xi1",
+        "s_xi2",
+        "s_xc0",
+        "s_xc1",
+    ],
     do_not_specialize_on_alignment=["block_table", "query_start_loc", "seq_lens", "head_modes", "head_mode_slots"],
 )
 def _prefill_kernel(

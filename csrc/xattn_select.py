@@ -95,7 +95,21 @@ def _est_tile(
 
 
 @triton.jit(
-    do_not_specialize=["s_xi0", "s_xi1", "s_xi2", "s_xc0", "s_xc1", "s_mass"],
+    do_not_specialize=[
+        "s_qt",
+        "s_qh",
+        "s_kb",
+        "s_kt",
+        "s_kh",
+        "s_bt",
+        "s_hm0",
+        "s_xi0",
+        "s_xi1",
+        "s_xi2",
+        "s_xc0",
+        "s_xc1",
+        "s_mass",
+    ],
     do_not_specialize_on_alignment=["block_table", "query_start_loc", "seq_lens", "head_modes", "head_mode_slots"],
 )
 def _xattn_select_kernel(
