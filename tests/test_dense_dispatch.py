@@ -1,8 +1,9 @@
 """All-FA steps on vLLM's FlashAttention: which rows qualify (``state.row_is_dense``), that the rule is exact
 (the hybrid attention of a qualifying row equals full attention, and stops doing so one token past it), and
 the warm-up check that admits a dense kernel only when it computes what the elastic kernels compute.
-The real kernel (vLLM's FA3 over the engine's paged cache) is checked on the GPU by
-tests/gpu/check_kernels.py (``dense_dispatch``) and, through the engine, by tests/gpu/check_vllm.py."""
+The real kernel (vLLM's FA3 over the engine's paged cache) is checked on the GPU by the engine's own warm-up
+(the admission check below, on every start) and, through the engine against FLASH_ATTN, by
+tests/gpu/check_vllm.py (``--checks dense``)."""
 
 from __future__ import annotations
 

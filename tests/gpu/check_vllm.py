@@ -417,8 +417,35 @@ def check_metrics(name, t0):
            omega_observations=served, observations_at_startup=at_start, vllm_warmup_requests_routed=warm)  # fmt: skip
 
 
+def check_dense(name, t0):
+    """Routed requests whose prompts fit in sink + window: every step with a prompt row runs vLLM's FlashAttention
+    (the warm-up admitted it; elastic:dense_steps counts them), the router still decides every request, and the
+    tokens are FLASH_ATTN's (up to a near-tie); with ELASTIC_VLLM_FLASH_DENSE=off the same prompts run the
+    elastic kernels and no step is dense."""
+    from elastic_vllm.vllm_plugin import observe
+
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    ref, _ = _generate("FLASH_ATTN")
+    rows = {}
+    with tempfile.TemporaryDirectory() as td:
+        cfg = {"elastic": {"router_path": str(needle_router(Path(td))), "sink": 128, "window": 512}}
+        for dense in ("auto", "off"):
+            os.environ["ELASTIC_VLLM_FLASH_DENSE"] = dense
+            d0 = observe.COUNTERS.dense_steps
+            outs, _ = _generate("elastic", additional_config=cfg)
+            evs = events_by_request(outs)
+            same = [_same_until_tie(r, o) for r, o in zip(ref, outs)]
+            rows[dense] = {"dense_steps": observe.COUNTERS.dense_steps - d0, "routed": sum(e is not None for e in evs),
+                           "same_until_tie": sum(same), "prompts": len(outs)}  # fmt: skip
+        os.environ.pop("ELASTIC_VLLM_FLASH_DENSE", None)
+    ok = (rows["auto"]["dense_steps"] > 0 and rows["off"]["dense_steps"] == 0
+          and all(r["routed"] == r["prompts"] == r["same_until_tie"] for r in rows.values()))  # fmt: skip
+    record(name, ok, time.perf_counter() - t0, **rows)
+
+
 CHECKS = {
     "all_fa": [("all_fa_v2", check_all_fa("v2")), ("all_fa_v1", check_all_fa("v1"))],
+    "dense": [("dense", check_dense)],
     "graphs": [("graphs", check_graphs)],
     "needle": [("needle", check_needle)],
     "batch": [("batch", check_batch)],
