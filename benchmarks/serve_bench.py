@@ -256,6 +256,8 @@ def serve_and_run(
 ) -> dict:  # fmt: skip
     log_path = work / f"server-{label}.log"
     run_env = dict(env)
+    if label.endswith("-kernels"):  # the A/B of the dense dispatch: every step on the elastic kernels
+        run_env["ELASTIC_VLLM_FLASH_DENSE"] = "off"
     if backend != "elastic":
         run_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     else:
@@ -313,7 +315,12 @@ def ratios(base: dict, el: dict) -> dict:
 def compare(results: dict, table: dict) -> list[dict]:
     """Rows elastic / baseline for every (workload, burst) both servers ran."""
     rows = []
-    for pair, (bkey, ekey) in {"llama": ("llama-base", "llama-elastic"), "demo": ("demo-base", "demo-elastic")}.items():
+    pairs = {
+        "llama": ("llama-base", "llama-elastic"),
+        "llama, elastic kernels only": ("llama-base", "llama-elastic-kernels"),
+        "demo": ("demo-base", "demo-elastic"),
+    }
+    for pair, (bkey, ekey) in pairs.items():
         base, el = results.get(bkey), results.get(ekey)
         if not base or not el:
             continue
@@ -396,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         "--demo-model", type=Path, help="the demo model folder (default: elastic_vllm.models.fetch_demo_model)"
     )
     p.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
-    p.add_argument("--servers", default="llama-base,llama-elastic,demo-base,demo-elastic")
+    p.add_argument(
+        "--servers",
+        default="llama-base,llama-elastic,demo-base,demo-elastic",
+        help="also llama-elastic-kernels: elastic with ELASTIC_VLLM_FLASH_DENSE=off (the dispatch's A/B)",
+    )
     p.add_argument("--baseline", default=None, help="the baseline backend (default FLASH_ATTN on CUDA, CPU_ATTN else)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/serve-vs-flash-attn-h200.json")
     p.add_argument(
@@ -443,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         "llama-base": (llama, "llama", baseline, ["--load-format", "dummy", "--max-model-len", str(mml)], llama_names),
         "llama-elastic": (llama, "llama", "elastic", ["--load-format", "dummy", "--max-model-len", str(mml),
                           "--additional-config", json.dumps({"elastic": el_llama})], llama_names),
+        "llama-elastic-kernels": (llama, "llama", "elastic", ["--load-format", "dummy", "--max-model-len", str(mml),
+                                  "--additional-config", json.dumps({"elastic": el_llama})], llama_names),
         "demo-base": (a.demo_model, "demo", baseline, [], demo_names),
         "demo-elastic": (a.demo_model, "demo", "elastic", ["--additional-config", json.dumps({"elastic": el_demo})],
                          demo_names),
