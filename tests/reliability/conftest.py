@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +30,14 @@ from .serving import SharedServer, subprocess_env
 from .startup_cases import CASES, SERVE_CASES
 
 HERE = Path(__file__).resolve().parent
-SERVER_MODULES = {"test_faults.py", "test_odd_requests.py", "test_soak.py"}
-STARTUP_MODULES = {"test_startup_validation.py"}
+SERVER_MODULES = {
+    "test_faults.py",
+    "test_odd_requests.py",
+    "test_soak.py",
+    "test_isolation.py",
+    "test_operator_control.py",
+}
+STARTUP_MODULES = {"test_startup_validation.py", "test_fail_fast.py"}
 BAD_START_TIMEOUT_S = 900
 BAD_START_ARGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", "64M", "--max-model-len", "1024"]
 
@@ -67,6 +75,16 @@ class StartupJobs:
             )
             for name in SERVE_CASES
         }
+        self.exit_s: dict[str, float] = {}  # seconds from start to exit of each bad `elastic-vllm serve`
+        for name, srv in self.serves.items():
+            threading.Thread(target=self._time_exit, args=(name, srv), daemon=True).start()
+
+    def _time_exit(self, name: str, srv: ServeProcess) -> None:
+        try:
+            srv.proc.wait(timeout=BAD_START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return
+        self.exit_s[name] = time.time() - srv.started
 
     def serve_result(self, name: str) -> tuple[int | None, str]:
         """(exit code, log) of a bad `elastic-vllm serve`; exit code None when it was still running after
