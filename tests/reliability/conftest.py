@@ -92,6 +92,7 @@ class StartupJobs:
         srv = self.serves[name]
         try:
             rc = srv.proc.wait(timeout=BAD_START_TIMEOUT_S)
+            self.exit_s.setdefault(name, time.time() - srv.started)  # when the timing thread has not yet run
         except subprocess.TimeoutExpired:
             rc = None
         srv.stop()
