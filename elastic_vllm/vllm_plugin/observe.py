@@ -7,8 +7,9 @@ hands it to the Prometheus metrics of ``elastic_vllm.telemetry``.
 
 :data:`COUNTERS` proves the elastic path ran: forward calls, rows routed, routings made final,
 re-routings after preemption and their mismatches. The step-level deltas are also published as the
-Prometheus counters ``elastic:attention_forward_calls_total`` and ``elastic:routed_rows_total``
-(visible on the API server's /metrics in prometheus_client multiprocess mode).
+Prometheus counters ``elastic:attention_forward_calls_total``, ``elastic:routed_rows_total`` and
+``elastic:router_nonfinite_heads_total`` (visible on the API server's /metrics in prometheus_client
+multiprocess mode).
 """
 
 from __future__ import annotations
