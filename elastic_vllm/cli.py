@@ -280,7 +280,9 @@ def explain(e: BaseException, cmd: str | None = None) -> tuple[str, str]:
     if isinstance(e, CLIError):
         return e.what, e.fix
     if _instance_of(e, "elastic_vllm.server", "ServeError"):
-        return e.cause, f"the full server log is {e.log_path}"
+        from elastic_vllm.telemetry.serve import fix_for
+
+        return e.cause, f"{fix_for(e.cause)}; the full server log is {e.log_path}"
     config_fix = "correct the field named above; every field with its type and default: README.md, 'Configuration'"
     if isinstance(e, ConfigError):
         return msg, config_fix

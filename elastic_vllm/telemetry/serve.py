@@ -87,7 +87,8 @@ def root_cause(log: str) -> str | None:
     """The line of a server log that says why it stopped, from the exception's name on: the project's own
     error (ConfigError, RouterCheckpointError, ...: raised from ``elastic_vllm.``), else the last
     exception line, else vLLM's engine-death line, else the last ERROR line; None when there is none."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    # this wrapper's own summary line (a ServeProcess log holds it) repeats a cause with its fix: not a cause
+    lines = [x.strip() for x in log.splitlines() if x.strip() and not x.startswith("elastic-vllm serve: error:")]
 
     def exception(line: str) -> str | None:
         m = _EXCEPTION.search(line)
@@ -105,7 +106,8 @@ def root_cause(log: str) -> str | None:
     return None
 
 
-def _fix(cause: str) -> str:
+def fix_for(cause: str) -> str:
+    """How to go on from a root cause (:func:`root_cause`)."""
     if "ConfigError" in cause:
         return "correct what the line names; every field with its type and bounds: README.md, 'Configuration'"
     if "RouterCheckpointError" in cause:
@@ -190,7 +192,7 @@ def run_serve(model: str | None, extra: list[str]) -> int:
             if died and vllm_rc == 0:
                 cause += " [vllm serve itself exited with code 0]"
             print(
-                f"elastic-vllm serve: error: {cause} (fix: {_fix(cause)}; full log: {log_path})",
+                f"elastic-vllm serve: error: {cause} (fix: {fix_for(cause)}; full log: {log_path})",
                 file=sys.stderr,
                 flush=True,
             )

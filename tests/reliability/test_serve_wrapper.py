@@ -117,6 +117,7 @@ def test_signal_death_maps_to_128_plus_n(tmp_path):
             "elastic: several shipped routers match smollm2\nRuntimeError: Engine core initialization failed.",
             "elastic_vllm.config.ConfigError: elastic: several shipped routers match smollm2",
         ),
+        (CONFIG_FAIL + "elastic-vllm serve: error: X: y (fix: z; full log: /tmp/l)\n", "ConfigError: invalid"),
         ("nothing to see\n", None),
     ],
 )
