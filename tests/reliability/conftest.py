@@ -27,7 +27,7 @@ import pytest
 from elastic_vllm.server import ServeProcess
 
 from .serving import SharedServer, subprocess_env
-from .startup_cases import CASES, SERVE_CASES
+from .startup_cases import API_SERVER_CASES, CASES, SERVE_CASES
 
 HERE = Path(__file__).resolve().parent
 SERVER_MODULES = {
@@ -75,6 +75,14 @@ class StartupJobs:
             )
             for name in SERVE_CASES
         }
+        for name in API_SERVER_CASES:  # the whole additional_config (elastic_ops beside elastic), as vLLM reads it
+            self.serves[name] = ServeProcess(
+                model,
+                args=[*BAD_START_ARGS, "--additional-config", json.dumps(configs[name])],
+                served_name="smollm2",
+                env=subprocess_env(),
+                log_path=self.tmp / f"serve-{name}.log",
+            )
         self.exit_s: dict[str, float] = {}  # seconds from start to exit of each bad `elastic-vllm serve`
         for name, srv in self.serves.items():
             threading.Thread(target=self._time_exit, args=(name, srv), daemon=True).start()

@@ -9,6 +9,7 @@ prints a given log and exits with a given code), so that every outcome runs in a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# a config.json of the demo model's shape (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64)
+SHIPPED_CONFIG = Path(__file__).resolve().parent / "smollm2_config.json"
 
 CONFIG_FAIL = """\
 INFO 12-03 16:45:01 [utils.py:1] vLLM API server version 0.32.0
@@ -35,7 +38,7 @@ ENGINE_DIED = """\
 CLEAN = "INFO:     Application startup complete.\nINFO:     Shutting down\n"
 
 
-def run_wrapper(tmp_path: Path, log: str, code: int) -> tuple[int, str, str, dict]:
+def run_wrapper(tmp_path: Path, log: str, code: int, args: tuple[str, ...] = ()) -> tuple[int, str, str, dict]:
     """Run `elastic-vllm serve` with a stand-in vllm that prints ``log``, records its environment, exits ``code``."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -56,10 +59,11 @@ def run_wrapper(tmp_path: Path, log: str, code: int) -> tuple[int, str, str, dic
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", TMPDIR=str(tmp), PYTHONPATH=str(REPO))
     p = subprocess.run(
-        [sys.executable, "-m", "elastic_vllm.cli", "serve", str(tmp_path / "model")],
+        [sys.executable, "-m", "elastic_vllm.cli", "serve", str(tmp_path / "model"), *args],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    return p.returncode, p.stdout, p.stderr, {"prom": env_out.read_text(), "tmp": tmp}
+    ran = env_out.is_file()
+    return p.returncode, p.stdout, p.stderr, {"prom": env_out.read_text() if ran else None, "tmp": tmp, "ran": ran}
 
 
 def _log_path(stderr: str) -> Path:
@@ -86,6 +90,30 @@ def test_failed_start_ends_with_root_cause_fix_and_log_path(tmp_path):
     assert "Configuration" in m.group(2)
     assert Path(m.group(3)) == _log_path(err) and Path(m.group(3)).read_text() == CONFIG_FAIL
     assert not Path(seen["prom"]).exists()
+
+
+@pytest.mark.parametrize(
+    "elastic,want",
+    [
+        ({"window": True}, "elastic_vllm.config.ConfigError: invalid elastic config: elastic.window"),
+        (
+            {"router_path": "/no/such/router"},
+            "RouterCheckpointError: router checkpoint /no/such/router is not a folder",
+        ),
+    ],
+)
+def test_bad_config_stops_before_vllm_starts(tmp_path, elastic, want):
+    """The wrapper checks the configuration (and the router against a local model's config.json) itself:
+    a bad one stops in about a second, before vLLM is even imported."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((SHIPPED_CONFIG).read_text())
+    args = ("--additional-config", json.dumps({"elastic": elastic}))
+    rc, _, err, seen = run_wrapper(tmp_path, CLEAN, 0, args)
+    assert rc == 2 and not seen["ran"], err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("elastic-vllm serve: error: ") and want in last and "(fix: " in last, last
+    assert not list(seen["tmp"].glob("elastic-vllm-prom-*"))
 
 
 def test_engine_death_is_a_nonzero_exit_even_when_vllm_exits_0(tmp_path):
@@ -118,6 +146,7 @@ def test_signal_death_maps_to_128_plus_n(tmp_path):
             "elastic_vllm.config.ConfigError: elastic: several shipped routers match smollm2",
         ),
         (CONFIG_FAIL + "elastic-vllm serve: error: X: y (fix: z; full log: /tmp/l)\n", "ConfigError: invalid"),
+        ("elastic-vllm serve: error: elastic_vllm.config.ConfigError: bad (fix: z)\n", "ConfigError: bad"),
         ("nothing to see\n", None),
     ],
 )
