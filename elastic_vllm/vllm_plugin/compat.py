@@ -227,17 +227,19 @@ _SERVING_ELASTIC: list[Any] = [None]  # the VllmConfig of an InputProcessor of t
 
 
 # --- startup check in the process that builds the engine configuration ---------------------------
-def install_startup_check(check: Callable[[Any], None], class_path: str) -> None:
-    """Run ``check(vllm_config)`` right after ``EngineArgs.create_engine_config`` builds a VllmConfig that
-    selects our backend: in `vllm serve`'s API-server process (before it starts the engine core) and in
-    the process of an offline ``LLM``. Same method in 0.26 and 0.32/0.33 (AsyncEngineArgs inherits it)."""
+def install_startup_check(check: Callable[[Any, bool], None], class_path: str) -> None:
+    """Run ``check(vllm_config, http)`` right after ``EngineArgs.create_engine_config`` builds a VllmConfig
+    that selects our backend: in `vllm serve`'s API-server process (before it starts the engine core; ``http``
+    True: its usage context is OPENAI_API_SERVER) and in the process of an offline ``LLM``. Same method and
+    ``usage_context`` argument in 0.26 and 0.32/0.33 (AsyncEngineArgs inherits it)."""
     from vllm.engine.arg_utils import EngineArgs
 
     def make(original):
         def create_engine_config(self, *args, **kwargs):
             vllm_config = original(self, *args, **kwargs)
             if is_elastic_backend(getattr(vllm_config.attention_config, "backend", None), class_path):
-                check(vllm_config)
+                usage = kwargs.get("usage_context", args[0] if args else None)
+                check(vllm_config, "API_SERVER" in str(usage))
             return vllm_config
 
         return create_engine_config

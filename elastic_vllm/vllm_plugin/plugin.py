@@ -41,10 +41,10 @@ def register() -> None:
     _registered = True
 
 
-def _startup_check(vllm_config) -> None:
+def _startup_check(vllm_config, http: bool) -> None:
     from elastic_vllm.vllm_plugin.precheck import check_engine_config
 
-    check_engine_config(vllm_config)
+    check_engine_config(vllm_config, http)
 
 
 def _validate(params, vllm_config) -> None:

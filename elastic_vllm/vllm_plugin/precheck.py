@@ -43,11 +43,14 @@ def warn_once(key: str, msg: str, *args: Any) -> None:
         logger.warning(msg, *args)
 
 
-def check_metrics_dir(env: dict[str, str] | None = None) -> Path | None:
+def check_metrics_dir(env: dict[str, str] | None = None, http: bool = True) -> Path | None:
     """The Prometheus multiprocess folder when one is set (it must exist and be writable: prometheus_client
-    writes one file per process into it); None, with a warning once, when none is set."""
+    writes one file per process into it); None when none is set, with a warning once when a /metrics
+    endpoint (``http``: `vllm serve`) will miss the engine's metrics."""
     env = os.environ if env is None else env
     value = env.get(PROM_ENV)
+    if not value and not http:
+        return None  # an offline LLM: no /metrics, the registry of this process holds what it records
     if not value:
         warn_once(
             "metrics",
@@ -93,8 +96,9 @@ def check_router_training(meta_attention: dict[str, Any], cfg: ElasticConfig, pa
         )
 
 
-def check_engine_config(vllm_config: Any) -> ElasticConfig:
-    """Every startup check that needs no engine (see the module docstring); raises naming the problem."""
+def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
+    """Every startup check that needs no engine (see the module docstring); raises naming the problem.
+    ``http``: the process serves HTTP (`vllm serve`), whose /metrics the engine's metrics must reach."""
     import torch
 
     from elastic_vllm.router.checkpoint import BackboneShape, load_router
@@ -122,7 +126,7 @@ def check_engine_config(vllm_config: Any) -> ElasticConfig:
     if path is not None:
         ck = load_router(path, expect=shape, model_name=model_name, device="cpu")
         check_router_training(ck.meta.attention, cfg, ck.path)
-    check_metrics_dir()
+    check_metrics_dir(http=http)
     return cfg
 
 

@@ -92,6 +92,14 @@ def test_missing_metrics_dir_env_warns_once(caplog):
     assert len(lines) == 1 and "/metrics" in lines[0] and "elastic-vllm serve" in lines[0]
 
 
+def test_offline_llm_is_not_warned_about_metrics(caplog):
+    from elastic_vllm.vllm_plugin.precheck import check_metrics_dir
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert check_metrics_dir({}, http=False) is None
+    assert not caplog.records
+
+
 def test_bad_metrics_dir_is_an_error_naming_it(tmp_path):
     from elastic_vllm.vllm_plugin.precheck import check_metrics_dir
 
