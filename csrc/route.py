@@ -8,7 +8,7 @@ and every KV head of ONE layer::
     x   = mean over the P positions                                                   [Hkv, d]
     f   = W2 silu(W1 x + b1) + b2                                    Task MLP   d -> 4d -> d
     z   = W5 silu(W4 silu(W3 f + b3) + b4) + b5                      Router MLP d -> 4d -> d -> 2
-    table[slots[r], layer, h] = fa_value if z[h, 1] > z[h, 0] else sa_value     (index 1 = FA)
+    table[slots[r], layer, h] = fa_value if z[h, 1] > z[h, 0] else sa_value     (index 1 = FA; NaN / inf: FA)
 
 Everything runs in float32 (as ``ElasticRouter`` does), so decisions match the reference except
 where the two logits are within float32 rounding of each other.
@@ -275,7 +275,9 @@ def _route_router_kernel(
         v = _silu(v)
         z0 = tl.sum(v * w5a, 0) + b5a
         z1 = tl.sum(v * w5b, 0) + b5b
-        dec = tl.where(z1 > z0, fa_value, sa_value)  # ties -> SA, as torch.argmax
+        # ties -> SA, as torch.argmax; non-finite logits (NaN / inf) -> FA, as router.model.decide
+        z_fa = (z1 > z0) | ~((tl.abs(z0) < float("inf")) & (tl.abs(z1) < float("inf")))
+        dec = tl.where(z_fa, fa_value, sa_value)
         i_slot = tl.load(slots + i_r).to(tl.int64)
         tl.store(table + i_slot * s_t0 + layer * s_t1 + i_h * s_t2, dec.to(table.dtype.element_ty))
         if HAS_LOGITS:
@@ -284,7 +286,7 @@ def _route_router_kernel(
         if EPILOGUE:
             # force: 0 auto, 1 all-FA, 2 all-SA; decode-phase rows: dense -> FA, sparse -> SSA stays, else FA
             frc = tl.load(e_force + i_r).to(tl.int32)
-            fa = tl.where(frc == 1, True, tl.where(frc == 2, False, z1 > z0))
+            fa = tl.where(frc == 1, True, tl.where(frc == 2, False, z_fa))
             mode = tl.where(fa, fa_value, sa_value)
             dmode = tl.where((decode_dense == 0) & (mode == 1), 1, 0)
             rmode = tl.where(tl.load(e_dphase + i_r) != 0, dmode, mode)

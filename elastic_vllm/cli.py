@@ -79,10 +79,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from elastic_vllm.telemetry.serve import exec_serve
+    from elastic_vllm.telemetry.serve import run_serve
 
-    exec_serve(a.model, list(a.vllm_args))
-    return 0  # not reached: exec replaces this process
+    return run_serve(a.model, list(a.vllm_args))
 
 
 # --- train-router / build-data (elastic_vllm.train.cli) ---------------------------------------
@@ -280,6 +279,10 @@ def explain(e: BaseException, cmd: str | None = None) -> tuple[str, str]:
     debug_fix = f"rerun with --debug (or {DEBUG_ENV}=1) for the traceback"
     if isinstance(e, CLIError):
         return e.what, e.fix
+    if _instance_of(e, "elastic_vllm.server", "ServeError"):
+        from elastic_vllm.telemetry.serve import fix_for
+
+        return e.cause, f"{fix_for(e.cause)}; the full server log is {e.log_path}"
     config_fix = "correct the field named above; every field with its type and default: README.md, 'Configuration'"
     if isinstance(e, ConfigError):
         return msg, config_fix

@@ -11,7 +11,7 @@ import json
 from enum import IntEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Mode = Literal["FA-SSA", "FA-XA", "XA-SSA"]
 Pooling = Literal["boundary", "whole"]
@@ -22,6 +22,16 @@ ChunkRouting = Literal["prefix", "dense"]
 MODES: tuple[str, ...] = ("FA-SSA", "FA-XA", "XA-SSA")
 FORCES: tuple[str, ...] = ("auto", "all-FA", "all-SA")
 CHUNK_ROUTINGS: tuple[str, ...] = ("prefix", "dense")
+ClientOverride = Literal["all-FA", "all-SA", "elastic_sa_share"]
+CLIENT_OVERRIDES: tuple[str, ...] = ("all-FA", "all-SA", "elastic_sa_share")
+
+# Upper bound of the token counts (sink, window, pool_tokens): the Triton kernels take them as int32
+# and add two of them (e.g. a query position and a window), so 2**30 keeps every sum below 2**31; a
+# value at or above the served max_model_len already means "the whole prompt".
+MAX_TOKENS = 2**30
+# The reference XA selection pads each head's score matrix to (xattn_block / xattn_stride)**2
+# entries: 4096 keeps it at most 64 MiB per query head (the paper uses 128).
+MAX_XATTN_BLOCK = 4096
 
 
 class HeadMode(IntEnum):
@@ -56,23 +66,41 @@ class ElasticConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Mode = "FA-SSA"
-    sink: int = Field(128, ge=0, description="attention-sink tokens kept by SSA heads")
-    window: int = Field(2048, ge=1, description="local window of SSA heads, in tokens")
-    xattn_stride: int = Field(16, ge=1, description="XAttention antidiagonal stride")
+    sink: int = Field(128, strict=True, ge=0, le=MAX_TOKENS, description="attention-sink tokens kept by SSA heads")
+    window: int = Field(2048, strict=True, ge=1, le=MAX_TOKENS, description="local window of SSA heads, in tokens")
+    xattn_stride: int = Field(16, strict=True, ge=1, le=MAX_XATTN_BLOCK, description="XAttention antidiagonal stride")
     xattn_threshold: float = Field(
-        0.9, gt=0.0, le=1.0, description="XAttention cumulative-mass threshold tau (paper 0.9)"
+        0.9,
+        strict=True,
+        allow_inf_nan=False,
+        gt=0.0,
+        le=1.0,
+        description="XAttention cumulative-mass threshold tau (paper 0.9)",
     )
-    xattn_block: int = Field(128, ge=16, description="XAttention block size in tokens")
+    xattn_block: int = Field(128, strict=True, ge=16, le=MAX_XATTN_BLOCK, description="XAttention block size in tokens")
     pooling: Pooling = "boundary"
-    pool_tokens: int = Field(100, ge=1, description="boundary pooling: first/last N prompt tokens")
+    pool_tokens: int = Field(
+        100, strict=True, ge=1, le=MAX_TOKENS, description="boundary pooling: first/last N prompt tokens"
+    )
     decode_mode: DecodeMode = "dense"
-    router_path: str | None = None
+    router_path: str | None = Field(None, strict=True, min_length=1)
     force: Force = "auto"
     # Chunked prefill (vLLM serving): every chunk before the one that completes the prompt runs with
     # the routing of the prompt prefix processed so far ("prefix"), or with every head FA ("dense").
     # The routing of the chunk that completes the prompt is final either way; without chunking
     # both are exactly the paper's once-per-request routing.
     chunk_routing: ChunkRouting = "prefix"
+    # Which per-request overrides clients may send (vllm_xargs): "all-FA" / "all-SA" as elastic_force,
+    # "elastic_sa_share" (benchmarks). Anything else is refused with HTTP 400; elastic_force "auto"
+    # (the server's own routing) is always allowed. [] turns client overrides off.
+    client_overrides: tuple[ClientOverride, ...] = CLIENT_OVERRIDES
+
+    @field_validator("router_path")
+    @classmethod
+    def _router_path(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must name a router folder (an empty path would mean the working directory)")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> ElasticConfig:
@@ -133,6 +161,13 @@ def format_validation_error(e: ValidationError, prefix: str) -> str:
         if err.get("type") == "extra_forbidden":
             msg = f"unknown field (valid fields: {', '.join(ElasticConfig.model_fields)})"
         elif "input" in err and err.get("type") != "missing":
-            msg = f"{msg} (got {err['input']!r})"
+            msg = f"{msg} (got {short_repr(err['input'])})"
         parts.append(f"{where}: {msg}")
     return "; ".join(parts)
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages (and HTTP 400 bodies) echo what was
+    sent, but never a 5 MB value back."""
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[: limit - 20]}... ({len(r)} characters)"

@@ -26,6 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServeError(RuntimeError):
+    """``elastic-vllm serve`` stopped (or never came up): ``cause`` is the log line saying why
+    (:func:`telemetry.serve.root_cause`), ``log_path`` the whole log (kept)."""
+
+    def __init__(self, what: str, cause: str, log_path: Path, tail: str = ""):
+        super().__init__(f"{what}: {cause} (full log: {log_path})" + (f"\n{tail}" if tail else ""))
+        self.cause = cause
+        self.log_path = log_path
+
+
 class ServeProcess:
     """``elastic-vllm serve MODEL --host 127.0.0.1 --port P [args]`` in its own process group."""
 
@@ -50,6 +60,8 @@ class ServeProcess:
         run_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",)}
         run_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the wrapper makes a fresh one
         run_env.update(env or {})
+        self._own_log = log_path is None  # a temporary log: removed by stop() unless the server failed
+        self.failed = False
         self.log_path = (
             Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="elastic-serve-", suffix=".log")[1])
         )
@@ -66,7 +78,8 @@ class ServeProcess:
         """Block until /health answers 200; raise with the server's log tail if it exits or times out."""
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}:\n{self.log_tail()}")
+                self.failed = True
+                raise self._error(f"vllm serve exited with code {self.proc.returncode}")
             try:
                 with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -75,11 +88,18 @@ class ServeProcess:
                 pass
             waited = time.time() - self.started
             if waited > timeout_s:
+                self.failed = True
                 self.stop()
-                raise RuntimeError(f"vllm serve not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+                raise self._error(f"vllm serve not ready after {timeout_s:.0f} s")
             if progress:
                 progress(waited)
             time.sleep(2)
+
+    def _error(self, what: str) -> ServeError:
+        from elastic_vllm.telemetry.serve import root_cause
+
+        log = self.log_path.read_text(errors="replace")
+        return ServeError(what, root_cause(log) or "no error line in the log", self.log_path, log[-4000:])
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
@@ -95,6 +115,8 @@ class ServeProcess:
                 self.proc.wait()
         if not self._log.closed:
             self._log.close()
+        if self._own_log and not self.failed and self.proc.returncode == 0:
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
     def __enter__(self) -> ServeProcess:

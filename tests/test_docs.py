@@ -71,6 +71,9 @@ MEANINGS = {
     "whose backbone matches",
     "force": "server-wide routing: `auto` (the router decides per request), `all-FA` (dense; needs no router), "
     "`all-SA`; a request can override it (see Per-request override)",
+    "client_overrides": "per-request overrides clients may send in `vllm_xargs` (see Per-request override): any of "
+    "`all-FA`, `all-SA` (as `elastic_force`), `elastic_sa_share`; others are refused with HTTP 400 naming this "
+    "field (`elastic_force: auto`, the server's own routing, always passes); `[]`: none",
     "chunk_routing": "chunked prefill: chunks before the one that completes the prompt run with the routing of "
     "the prefix so far (`prefix`) or with every head FA (`dense`); the chunk that completes the prompt decides "
     "for good",
@@ -78,6 +81,7 @@ MEANINGS = {
 NOTES = {
     "xattn_block": "; must be a multiple of `xattn_stride`",
     "sink": "; SSA mask: `j <= i and (j < sink or i - j < window)`",
+    "router_path": "; must not be empty",
 }
 
 
@@ -85,6 +89,9 @@ def _type_name(field) -> str:
     ann = field.annotation
     if typing.get_origin(ann) is typing.Literal:
         return " \\| ".join(f"`{v}`" for v in typing.get_args(ann))
+    if typing.get_origin(ann) is tuple:  # tuple[Literal[...], ...]: a JSON list of those values
+        (item, _) = typing.get_args(ann)
+        return "list of " + " \\| ".join(f"`{v}`" for v in typing.get_args(item))
     if typing.get_origin(ann) in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else a.__name__ for a in typing.get_args(ann))
     bounds = []

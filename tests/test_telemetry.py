@@ -5,7 +5,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from elastic_vllm.telemetry.metrics import RoutingRecord, record_routing
-from elastic_vllm.telemetry.serve import PREFIX, prepare_multiproc_dir, vllm_serve_argv
+from elastic_vllm.telemetry.serve import OWNER_FILE, PREFIX, prepare_multiproc_dir, vllm_serve_argv
 
 
 def _val(name, **labels):
@@ -50,12 +50,18 @@ def test_replica_rank_does_not_count_heads_again():
 
 
 def test_multiproc_dir_is_fresh_and_stale_ones_go(tmp_path):
-    stale = tmp_path / f"{PREFIX}999999999"
+    stale = tmp_path / f"{PREFIX}abcdefgh"
     stale.mkdir()
     (stale / "counter_1.db").write_bytes(b"x")
+    (stale / OWNER_FILE).write_text("999999999")  # a wrapper that is gone
+    foreign = tmp_path / f"{PREFIX}notours"  # no owner file: left alone
+    foreign.mkdir()
     d = prepare_multiproc_dir(str(tmp_path))
-    assert d.name == f"{PREFIX}{os.getpid()}" and not any(d.iterdir())
-    assert not stale.exists()
+    assert d.name.startswith(PREFIX) and str(os.getpid()) not in d.name  # mkdtemp: not predictable
+    assert oct(d.stat().st_mode & 0o777) == "0o700"
+    assert [p.name for p in d.iterdir()] == [OWNER_FILE] and (d / OWNER_FILE).read_text() == str(os.getpid())
+    assert not stale.exists() and foreign.exists()
+    assert prepare_multiproc_dir(str(tmp_path)) != d and d.exists()  # a live run's folder stays
 
 
 def test_serve_argv_adds_elastic_unless_another_backend():

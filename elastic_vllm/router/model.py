@@ -99,9 +99,12 @@ class ElasticRouter(nn.Module):
 def decide(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the 2 logits; True where index 1 (FA) wins.
 
-    Ties go to index 0 (SA), as ``torch.argmax`` (first maximum) does in the authors' code.
+    Ties go to index 0 (SA), as ``torch.argmax`` (first maximum) does in the authors' code. A head whose
+    logits are not finite (NaN / inf: an overflowing router or NaN keys) goes to FA, the mode that drops
+    nothing (``torch.argmax`` would pick the NaN's index, and NaN comparisons say SA); the engine counts
+    such heads (``elastic:router_nonfinite_heads_total``) and warns.
     """
-    return logits[..., FA_INDEX] > logits[..., 1 - FA_INDEX]
+    return (logits[..., FA_INDEX] > logits[..., 1 - FA_INDEX]) | ~torch.isfinite(logits).all(-1)
 
 
 def boundary_positions(length: int, n: int, device=None) -> torch.Tensor:

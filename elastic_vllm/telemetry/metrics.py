@@ -17,7 +17,8 @@
 - ``head_decisions_total{decision="FA"|"SA"}`` counts every (layer, KV head) decision once, so
   ``sum(rate(..{decision="SA"}[5m])) / sum(rate(..[5m]))`` is the fleet-wide sparsity and
   ``sum by (layer)`` the per-layer SA share.
-- ``override`` is the request's routing mode: auto, all-FA or all-SA.
+- ``override`` is the mode the request ran with: auto, all-FA, all-SA (its own elastic_force, else the
+  server's force) or sa-share (a fixed SA share, elastic_sa_share).
 - ``live_requests``: requests holding per-request routing state in the engine (``state.py``); 0 when idle.
 
 The metrics are written by the engine process. They reach the API server's /metrics only in

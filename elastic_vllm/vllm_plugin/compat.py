@@ -144,12 +144,22 @@ def route_cpu_platform_custom_backend(class_path: str) -> None:
     cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
 
 
-# --- per-request override validation in the API-server / LLM process --------------------------
-def install_request_validator(validate: Callable[[Any], None], class_path: str) -> None:
-    """Run ``validate(sampling_params)`` at request admission when the engine serves our backend.
+# --- per-request override validation and cache salt in the API-server / LLM process ---------------
+def install_request_validator(
+    validate: Callable[[Any, Any], None], salt: Callable[[Any, Any, str | None], str | None], class_path: str
+) -> None:
+    """At request admission, when the engine serves our backend: run ``validate(sampling_params,
+    vllm_config)`` and set the request's cache salt to ``salt(sampling_params, vllm_config, client_salt)``.
 
     ``validate`` raises ValueError with a message naming the field; it is re-raised as vLLM's
     VLLMValidationError, which the OpenAI server answers with HTTP 400.
+
+    The salt goes into ``EngineCoreRequest.cache_salt``, which the engine core's block hasher mixes into
+    the hash of the request's first block (0.26: ``[cache_salt]``, 0.32/0.33: ``("cache_salt", salt)`` in
+    ``kv_cache_utils.generate_block_hash_extra_keys``); every later block chains on it, so requests of
+    different salts share no prefix-cache block. ``InputProcessor.process_inputs`` builds that request in
+    0.26 and 0.32/0.33 (``process_inputs_async`` is made from it in ``__init__``, after this wrap). An
+    EngineCoreRequest that a caller builds itself (deprecated in 0.32) keeps its own salt.
     """
     try:
         from vllm.v1.engine.input_processor import InputProcessor
@@ -161,19 +171,32 @@ def install_request_validator(validate: Callable[[Any], None], class_path: str) 
         return
     from vllm.exceptions import VLLMValidationError
 
+    def _serves_elastic(vllm_config) -> bool:
+        return is_elastic_backend(getattr(vllm_config.attention_config, "backend", None), class_path)
+
     def _validate_params(self, params, *args, **kwargs):
         out = original(self, params, *args, **kwargs)
-        if getattr(params, "extra_args", None) and is_elastic_backend(
-            getattr(self.vllm_config.attention_config, "backend", None), class_path
-        ):
+        if getattr(params, "extra_args", None) and _serves_elastic(self.vllm_config):
             try:
-                validate(params)
+                validate(params, self.vllm_config)
             except ValueError as e:
                 raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
         return out
 
     _validate_params._elastic_wrapped = True  # type: ignore[attr-defined]
     InputProcessor._validate_params = _validate_params
+
+    original_process = InputProcessor.process_inputs
+
+    @functools.wraps(original_process)
+    def process_inputs(self, *args, **kwargs):
+        request = original_process(self, *args, **kwargs)
+        params = getattr(request, "sampling_params", None)
+        if params is not None and _serves_elastic(self.vllm_config):
+            request.cache_salt = salt(params, self.vllm_config, request.cache_salt)
+        return request
+
+    InputProcessor.process_inputs = process_inputs
 
     # A streamed response starts before the engine client iterates the request (the check above then
     # arrives as an in-stream error event after HTTP 200): also check when the OpenAI server builds the
@@ -185,14 +208,14 @@ def install_request_validator(validate: Callable[[Any], None], class_path: str) 
 
     def __init__(self, vllm_config, *args, **kwargs):
         original_init(self, vllm_config, *args, **kwargs)
-        if is_elastic_backend(getattr(vllm_config.attention_config, "backend", None), class_path):
-            _SERVING_ELASTIC[0] = True
+        if _serves_elastic(vllm_config):
+            _SERVING_ELASTIC[0] = vllm_config
 
     def _verify_args(self) -> None:
         original_verify(self)
-        if _SERVING_ELASTIC[0] and getattr(self, "extra_args", None):
+        if _SERVING_ELASTIC[0] is not None and getattr(self, "extra_args", None):
             try:
-                validate(self)
+                validate(self, _SERVING_ELASTIC[0])
             except ValueError as e:
                 raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
 
@@ -200,7 +223,29 @@ def install_request_validator(validate: Callable[[Any], None], class_path: str) 
     SamplingParams._verify_args = _verify_args
 
 
-_SERVING_ELASTIC = [False]  # set when an InputProcessor of this process serves the elastic backend
+_SERVING_ELASTIC: list[Any] = [None]  # the VllmConfig of an InputProcessor of this process serving elastic
+
+
+# --- startup check in the process that builds the engine configuration ---------------------------
+def install_startup_check(check: Callable[[Any, bool], None], class_path: str) -> None:
+    """Run ``check(vllm_config, http)`` right after ``EngineArgs.create_engine_config`` builds a VllmConfig
+    that selects our backend: in `vllm serve`'s API-server process (before it starts the engine core; ``http``
+    True: its usage context is OPENAI_API_SERVER) and in the process of an offline ``LLM``. Same method and
+    ``usage_context`` argument in 0.26 and 0.32/0.33 (AsyncEngineArgs inherits it)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(original):
+        def create_engine_config(self, *args, **kwargs):
+            vllm_config = original(self, *args, **kwargs)
+            if is_elastic_backend(getattr(vllm_config.attention_config, "backend", None), class_path):
+                usage = kwargs.get("usage_context", args[0] if args else None)
+                check(vllm_config, "API_SERVER" in str(usage))
+            return vllm_config
+
+        return create_engine_config
+
+    if not _wrap(EngineArgs, "create_engine_config", make):
+        logger.warning("elastic-vllm: vLLM has no EngineArgs.create_engine_config; startup checks run in the engine")
 
 
 # --- configuration and distributed facts -------------------------------------------------------

@@ -7,8 +7,9 @@ hands it to the Prometheus metrics of ``elastic_vllm.telemetry``.
 
 :data:`COUNTERS` proves the elastic path ran: forward calls, rows routed, routings made final,
 re-routings after preemption and their mismatches. The step-level deltas are also published as the
-Prometheus counters ``elastic:attention_forward_calls_total`` and ``elastic:routed_rows_total``
-(visible on the API server's /metrics in prometheus_client multiprocess mode).
+Prometheus counters ``elastic:attention_forward_calls_total``, ``elastic:routed_rows_total`` and
+``elastic:router_nonfinite_heads_total`` (visible on the API server's /metrics in prometheus_client
+multiprocess mode).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class RoutingEvent:
     omega_esr_all: float
     router_latency_s: float
     override: str  # the request's own elastic_force ("auto" when absent)
-    force: str  # what it ran with: its override, or the server's force
+    force: str  # what it ran with: its override, the server's force, or "sa-share" (elastic_sa_share)
     pooled: torch.Tensor | None = None  # float32 [L, Hkv_local, D] when ELASTIC_VLLM_RECORD_POOLED=1
     counts_heads: bool = True  # False on a rank replicating KV heads another rank counts in the metrics
 
@@ -61,6 +62,7 @@ class Counters:
     mixed_steps: int = 0  # steps whose batch mixed rows with a final routing (decodes) and rows routed now
     fused_route_layers: int = 0  # (layer, step) routings whose tables the router kernel wrote itself
     dense_steps: int = 0  # steps whose every head was full attention, run by vLLM's FlashAttention kernel
+    nonfinite_router_heads: int = 0  # (request, layer, KV head) final decisions with NaN / inf logits: sent to FA
     _published: dict[str, int] = field(default_factory=dict, repr=False)
 
     def snapshot(self) -> dict[str, int]:
@@ -140,6 +142,7 @@ def publish_counters() -> None:
         ("forward_calls", "Elastic attention forward calls (one per layer and step)."),
         ("routed_rows", "Request rows the elastic router ran for (final and prefix-chunk routings)."),
         ("dense_steps", "Steps whose every head was full attention, run by vLLM's FlashAttention kernel."),
+        ("nonfinite_router_heads", "KV-head decisions whose router logits were NaN / inf (run as FA)."),
     ):
         value = getattr(COUNTERS, name)
         delta = value - COUNTERS._published.get(name, 0)
@@ -147,7 +150,7 @@ def publish_counters() -> None:
             continue
         metric = _prom.get(name)
         if metric is None:
-            metric_name = "elastic:attention_forward_calls" if name == "forward_calls" else f"elastic:{name}"
+            metric_name = {"forward_calls": "elastic:attention_forward_calls"}.get(name, f"elastic:{name}")
             metric = _prom[name] = Counter(metric_name, doc)
         metric.inc(delta)  # type: ignore[attr-defined]
         COUNTERS._published[name] = value

@@ -9,7 +9,10 @@ no CUDA, no allocation), and spawn-safe:
   pickled VllmConfig carries CUSTOM, which every process can unpickle before plugins load (a new enum
   member cannot be);
 - on the CPU platform, a CUSTOM selection (ours) returns our class instead of CPU_ATTN;
-- at request admission, ``vllm_xargs.elastic_force`` is validated when the engine serves elastic.
+- when a VllmConfig selecting elastic is built (API server, offline LLM), before any engine starts:
+  configuration, model, router checkpoint and metrics folder are checked (``precheck.py``);
+- at request admission, when the engine serves elastic: ``vllm_xargs`` is validated against the server's
+  ``client_overrides``, and the request's cache salt gets its routing mode (``overrides.py``).
 
 With another backend selected nothing of the elastic backend runs.
 """
@@ -30,9 +33,31 @@ def register() -> None:
     if _registered:
         return
     from elastic_vllm.vllm_plugin import compat
-    from elastic_vllm.vllm_plugin.overrides import validate_sampling_params
 
     if compat.register_custom_backend(BACKEND_PATH, ALIAS):
         compat.route_cpu_platform_custom_backend(BACKEND_PATH)
-        compat.install_request_validator(validate_sampling_params, BACKEND_PATH)
+        compat.install_request_validator(_validate, _cache_salt, BACKEND_PATH)
+        compat.install_startup_check(_startup_check, BACKEND_PATH)
     _registered = True
+
+
+def _startup_check(vllm_config, http: bool) -> None:
+    from elastic_vllm.vllm_plugin.precheck import check_engine_config
+
+    check_engine_config(vllm_config, http)
+
+
+def _validate(params, vllm_config) -> None:
+    from elastic_vllm.vllm_plugin.overrides import server_config, validate_sampling_params
+
+    server = server_config(vllm_config)
+    validate_sampling_params(params, server[0] if server else None)
+
+
+def _cache_salt(params, vllm_config, client_salt: str | None) -> str | None:
+    from elastic_vllm.vllm_plugin.overrides import routing_cache_salt, salted, server_config
+
+    server = server_config(vllm_config)
+    if server is None:  # an invalid configuration: the engine refuses to start
+        return client_salt
+    return salted(client_salt, routing_cache_salt(getattr(params, "extra_args", None), *server))

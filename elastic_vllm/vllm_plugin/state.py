@@ -54,11 +54,24 @@ import torch
 
 from elastic_vllm.config import ConfigError, ElasticConfig, HeadMode
 from elastic_vllm.reference.rope import RopeSpec
-from elastic_vllm.router.checkpoint import BackboneShape, RouterCheckpointError, load_router, read_meta
+from elastic_vllm.router.checkpoint import (
+    WEIGHTS_FILE,
+    BackboneShape,
+    RouterCheckpointError,
+    load_router,
+    read_meta,
+)
+from elastic_vllm.router.checkpoint import _sha256 as checkpoint_sha256
 from elastic_vllm.sparsity import omega_esr, omega_msr
 from elastic_vllm.vllm_plugin import compat, observe
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
-from elastic_vllm.vllm_plugin.overrides import effective_force, request_override, request_sa_share
+from elastic_vllm.vllm_plugin.overrides import (
+    check_allowed,
+    effective_force,
+    request_override,
+    request_sa_share,
+    routing_mode,
+)
 from elastic_vllm.vllm_plugin.routing import (
     RouteBatch,
     RouteRow,
@@ -75,6 +88,8 @@ logger = logging.getLogger("elastic_vllm.vllm_plugin")
 NEOX_ROPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite")
 ROUTER_DIR_ENV = "ELASTIC_VLLM_ROUTER_WEIGHTS"
 RECORD_POOLED_ENV = "ELASTIC_VLLM_RECORD_POOLED"
+# Share tables kept (elastic_sa_share): a benchmark sweeps ~10 shares; each table is L x Hkv booleans.
+SHARE_TABLES = 64
 
 
 def global_kv_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> list[int]:
@@ -140,10 +155,12 @@ def router_search_dirs() -> list[Path]:
 
 def find_shipped_router(shape: BackboneShape, model_name: str) -> Path | None:
     """The shipped router folder whose router.json backbone matches ``shape``; None when there is none.
-    Several matches are disambiguated by the backbone id naming the model, else an error lists them. Only
+    Several matches are disambiguated by the backbone id naming the model; copies of one router (the same
+    weights, sha256, and backbone id: e.g. the shipped one copied to ./router_weights) resolve to the first
+    in the search order of :func:`router_search_dirs`; anything else is an error listing them. Only
     ``<dir>/*/router.json`` is read: alternatives kept one level deeper (``router_weights/alternatives/``)
     are loaded by ``router_path`` only, so the default for a backbone stays unambiguous."""
-    found: list[tuple[Path, str]] = []
+    found: list[tuple[Path, str, str]] = []  # (folder, backbone id, weights sha256)
     for root in router_search_dirs():
         if not root.is_dir():
             continue
@@ -154,18 +171,43 @@ def find_shipped_router(shape: BackboneShape, model_name: str) -> Path | None:
                 logger.warning("elastic: skipping %s: %s", meta_file.parent, e)
                 continue
             if meta.shape == shape:
-                found.append((meta_file.parent, meta.backbone.id))
-    if len(found) <= 1:
-        return found[0][0] if found else None
+                weights = meta_file.parent / WEIGHTS_FILE
+                sha = meta.sha256 or (checkpoint_sha256(weights) if weights.is_file() else str(meta_file))
+                found.append((meta_file.parent, meta.backbone.id, sha))
+    if not found:
+        return None
     base = Path(model_name).name.lower()
-    named = [p for p, bid in found if bid.split("/")[-1].lower() == base]
-    if len(named) == 1:
-        return named[0]
+    named = [m for m in found if m[1].split("/")[-1].lower() == base]
+    for candidates in (found, named):
+        if candidates and len({(bid, sha) for _, bid, sha in candidates}) == 1:
+            return candidates[0][0]  # one router (or copies of it): the first in the search order
     raise ConfigError(
         f"elastic: several shipped routers match {model_name} ({shape.describe()}): "
-        + ", ".join(str(p) for p, _ in found)
+        + ", ".join(str(p) for p, _, _ in found)
         + '; choose one with --additional-config \'{"elastic": {"router_path": "..."}}\''
     )
+
+
+def resolve_router_path(cfg: ElasticConfig, shape: BackboneShape, model_name: str) -> Path | str | None:
+    """The router a server with ``cfg`` loads: ``router_path``, else (force auto) the shipped router for the
+    model's shape; None when it runs without one (forced all-FA / all-SA). The choice is logged."""
+    path = cfg.router_path
+    if path is None and cfg.force == "auto":
+        path = find_shipped_router(shape, model_name)
+        if path is None:
+            raise ConfigError(
+                f"elastic: no router for {model_name} ({shape.describe()}): none of the shipped routers "
+                f"in {', '.join(str(d) for d in router_search_dirs())} matches. Pass one with "
+                '--additional-config \'{"elastic": {"router_path": "/path/to/router"}}\' or run without a router '
+                'with {"elastic": {"force": "all-FA"}} (dense) or {"force": "all-SA"}'
+            )
+        logger.info(
+            "elastic: router %s (the shipped router for %s; searched %s, in this order)",
+            path,
+            shape.describe(),
+            ", ".join(str(d) for d in router_search_dirs()),
+        )
+    return path
 
 
 def parse_additional_config(vllm_config) -> tuple[ElasticConfig, str | None]:
@@ -322,6 +364,7 @@ class EngineState(compat.RunnerObserver):
         self.dense_attention = None  # vLLM's FlashAttention for all-FA steps (set by warmup after its check)
         self.warmed = False
         self._live_published = -1  # last value of the elastic:live_requests gauge
+        self._warned_nonfinite = False
         logger.info(
             "elastic attention: %s, router %s, ops=%s, tp %d/%d (KV heads %s)",
             self.cfg.model_dump(exclude={"router_path"}),
@@ -334,16 +377,7 @@ class EngineState(compat.RunnerObserver):
 
     # --- setup ------------------------------------------------------------------------------
     def _load_router(self) -> None:
-        path = self.cfg.router_path
-        if path is None and self.cfg.force == "auto":
-            path = find_shipped_router(self.shape, self.model_name)
-            if path is None:
-                raise ConfigError(
-                    f"elastic: no router for {self.model_name} ({self.shape.describe()}): none of the shipped routers "
-                    f"in {', '.join(str(d) for d in router_search_dirs())} matches. Pass one with "
-                    '--additional-config \'{"elastic": {"router_path": "/path/to/router"}}\' or run without a router '
-                    'with {"elastic": {"force": "all-FA"}} (dense) or {"force": "all-SA"}'
-                )
+        path = resolve_router_path(self.cfg, self.shape, self.model_name)
         if path is None:
             return
         # vLLM builds the model (and so this state) under the model's default dtype, e.g. bf16: the
@@ -462,6 +496,7 @@ class EngineState(compat.RunnerObserver):
         try:
             override = request_override(extra)
             sa_share = request_sa_share(extra)
+            check_allowed(override, sa_share, self.cfg)
         except ValueError as e:  # admission validates this; never take the engine down for it
             logger.error("elastic: request %s: %s; using the server default", nr.req_id, e)
             observe.COUNTERS.invalid_overrides += 1
@@ -572,11 +607,15 @@ class EngineState(compat.RunnerObserver):
         return ub[:B].tolist() if ub is not None else common.seq_lens[:B].tolist()
 
     def share_table(self, share: float) -> torch.Tensor:
-        """Fixed decisions [L, Hkv] (True = FA) of requests with ``elastic_sa_share`` = share, cached."""
+        """Fixed decisions [L, Hkv] (True = FA) of requests with ``elastic_sa_share`` = share, cached for
+        the last SHARE_TABLES shares (clients choose the floats: the cache must not grow with them; an
+        evicted table is rebuilt on its next use, each step's RouteBatch holds its own)."""
         t = self.share_tables.get(share)
         if t is None:
             fa = fixed_share_fa(share, self.num_layers, self.kv_heads, self.shape.num_kv_heads)
             t = self.share_tables[share] = fa.to(self.device)
+            while len(self.share_tables) > SHARE_TABLES:
+                self.share_tables.pop(next(iter(self.share_tables)))
         return t
 
     def _slot(self, st: RequestState) -> int:
@@ -645,6 +684,7 @@ class EngineState(compat.RunnerObserver):
         modes = self.table_modes.index_select(0, slots).cpu()
         logits = self.table_logits.index_select(0, slots).cpu()
         pooled = self.table_pooled.index_select(0, slots).cpu() if self.table_pooled is not None else None
+        self._count_nonfinite(pending, logits)
         fresh: list[tuple[int, RequestState, float]] = []  # (index, state, local Omega_ESR)
         for i, st in enumerate(pending):
             st.pending = False
@@ -690,11 +730,30 @@ class EngineState(compat.RunnerObserver):
                 omega_esr_all=all_esr,
                 router_latency_s=latency,
                 override=st.override,
-                force=st.force,
+                force=routing_mode(st.override, st.sa_share, self.cfg.force),
                 pooled=pooled[i] if pooled is not None else None,
                 counts_heads=self.first_replica,
             )
             observe.on_routing_final(event)
+
+    def _count_nonfinite(self, pending: list[RequestState], logits: torch.Tensor) -> None:
+        """Heads whose router logits were NaN / inf ran as FA (``router.model.decide``): count them, and
+        warn the first time (a router that overflows, or NaN keys in the cache)."""
+        bad = (~torch.isfinite(logits)).any(-1)  # [P, L, H]
+        n = int(bad.sum())
+        if not n:
+            return
+        observe.COUNTERS.nonfinite_router_heads += n
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            rid = pending[int(bad.flatten(1).any(1).nonzero()[0])].req_id
+            logger.warning(
+                "elastic: router %s gave NaN / inf logits for %d KV-head decisions (request %s); those heads "
+                "run FA. Counted in elastic:router_nonfinite_heads_total; this warning is not repeated",
+                self.router_path,
+                n,
+                rid,
+            )
 
     def _global_omegas(self, local: dict[str, HeadCounts]) -> dict[str, tuple[float, float]]:
         """The Omegas over every KV head of the requests in ``local`` (empty at TP=1: local is global)."""

@@ -287,3 +287,22 @@ def test_route_epilogue_errors_name_the_table():
     ):
         with pytest.raises(ValueError, match=msg):
             route(*args, inv_freq=spec.inv_freq, epilogue=RouteEpilogue(**{**good, field: bad}))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_route_nonfinite_logits_go_to_fa(bad):
+    """A router whose logits are NaN / inf sends those heads to FA, as router.model.decide does (the kernel's
+    `z1 > z0` said SA for every NaN)."""
+    lens = [7, 201, 450]
+    batch, spec, router, rows, plens = make_case(lens)
+    router.layers[1].cls_router_head_agnostic[4].bias.data[0] = bad  # the SA logit of every head of layer 1
+    table = torch.full((4, 3, 4), 9, dtype=torch.int8)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32)
+    logits = torch.zeros(3, 4, 2)
+    route(
+        batch.key_cache, batch.block_table, rows, plens, slots, pack_router_weights(router), 1, table,
+        inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, pool_tokens=100, logits_out=logits,
+        fa_value=0, sa_value=1,
+    )  # fmt: skip
+    assert not torch.isfinite(logits[..., 0]).any()
+    assert (table[slots.long(), 1] == 0).all(), table[slots.long(), 1]

@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,11 +27,17 @@ import pytest
 from elastic_vllm.server import ServeProcess
 
 from .serving import SharedServer, subprocess_env
-from .startup_cases import CASES, SERVE_CASES
+from .startup_cases import API_SERVER_CASES, CASES, SERVE_CASES
 
 HERE = Path(__file__).resolve().parent
-SERVER_MODULES = {"test_faults.py", "test_odd_requests.py", "test_soak.py"}
-STARTUP_MODULES = {"test_startup_validation.py"}
+SERVER_MODULES = {
+    "test_faults.py",
+    "test_odd_requests.py",
+    "test_soak.py",
+    "test_isolation.py",
+    "test_operator_control.py",
+}
+STARTUP_MODULES = {"test_startup_validation.py", "test_fail_fast.py"}
 BAD_START_TIMEOUT_S = 900
 BAD_START_ARGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", "64M", "--max-model-len", "1024"]
 
@@ -67,6 +75,24 @@ class StartupJobs:
             )
             for name in SERVE_CASES
         }
+        for name in API_SERVER_CASES:  # the whole additional_config (elastic_ops beside elastic), as vLLM reads it
+            self.serves[name] = ServeProcess(
+                model,
+                args=[*BAD_START_ARGS, "--additional-config", json.dumps(configs[name])],
+                served_name="smollm2",
+                env=subprocess_env(),
+                log_path=self.tmp / f"serve-{name}.log",
+            )
+        self.exit_s: dict[str, float] = {}  # seconds from start to exit of each bad `elastic-vllm serve`
+        for name, srv in self.serves.items():
+            threading.Thread(target=self._time_exit, args=(name, srv), daemon=True).start()
+
+    def _time_exit(self, name: str, srv: ServeProcess) -> None:
+        try:
+            srv.proc.wait(timeout=BAD_START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return
+        self.exit_s[name] = time.time() - srv.started
 
     def serve_result(self, name: str) -> tuple[int | None, str]:
         """(exit code, log) of a bad `elastic-vllm serve`; exit code None when it was still running after
@@ -74,6 +100,7 @@ class StartupJobs:
         srv = self.serves[name]
         try:
             rc = srv.proc.wait(timeout=BAD_START_TIMEOUT_S)
+            self.exit_s.setdefault(name, time.time() - srv.started)  # when the timing thread has not yet run
         except subprocess.TimeoutExpired:
             rc = None
         srv.stop()

@@ -202,3 +202,6 @@ CASES: dict[str, Case] = {
 # through a real `elastic-vllm serve` (API server + engine core + worker processes: ~70 CPU-seconds each
 # here, so one per error class); every case runs in an in-process engine (engine_startup.py)
 SERVE_CASES = ("other_model", "bad_config")
+# what `elastic-vllm serve` cannot check before starting vLLM (it reads the elastic config and the router only):
+# refused by the check in vLLM's API-server process, before the engine starts
+API_SERVER_CASES = ("bad_ops",)
