@@ -47,7 +47,6 @@ from ._common import (
     next_pow2,
     prev_pow2,
 )
-from .prefill_ws import _prefill_ws_kernel
 
 
 @triton.jit
@@ -470,97 +469,6 @@ def _tma_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-WS_TILES = {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2}  # per consumer warp group
-
-
-def ws_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: int,
-                   has_xa: bool, out: torch.Tensor | None = None) -> str | None:  # fmt: skip
-    """Why the warp-specialized kernel (``prefill_ws``) cannot run these arguments, or None if it can:
-    16-bit, head_dim a power of two in [16, 256], no XA metadata, key tiles inside one cache block and
-    every TMA view 16-byte aligned (q with its heads contiguous: [T, Hq * D] rows)."""
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype}: the warp-specialized kernel is for float16 / bfloat16"
-    d = q.shape[-1]
-    if d & (d - 1) or d < 16 or d > 256:
-        return f"head_dim {d} is not a power of two in [16, 256]"
-    if has_xa:
-        return "XA block lists run in the pointer kernel (use_ws needs a launch without xa_block_idx)"
-    bs = key_cache.shape[1]
-    if bs % block_n:
-        return f"block_size {bs} is not a multiple of block_n {block_n} (a key tile must lie in one block)"
-    es = q.element_size()
-    if q.stride(1) != d or (q.stride(0) * es) % 16 or q.data_ptr() % 16:
-        return f"q: strides {tuple(q.stride())} / address: need heads contiguous and 16-byte aligned rows"
-    if out is not None and (out.stride(1) != d or (out.stride(0) * es) % 16 or out.data_ptr() % 16):
-        return f"out: strides {tuple(out.stride())} / address: need heads contiguous and 16-byte aligned rows"
-    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if (c.stride(0) * es) % 16 or (c.stride(1) * es) % 16 or c.data_ptr() % 16:
-            return f"{name}: strides {tuple(c.stride())} / address not 16-byte aligned"
-    return None
-
-
-def _ws_descriptor(cache: torch.Tensor, block_n: int):
-    """The cache as [num_blocks, block_size, cols], column = head * stride(2) + d, box [1, block_n, D]."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    nb, bs, hkv, d = cache.shape
-    cols = (hkv - 1) * cache.stride(2) + d
-    return TensorDescriptor(cache, [nb, bs, cols], [cache.stride(0), cache.stride(1), 1], [1, block_n, d])
-
-
-_SCRATCH: dict = {}
-
-
-def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need global scratch memory (128 bytes per descriptor per program), which
-    Triton asks its allocator for at launch. Unless the caller set one: a buffer per CUDA device (the current
-    one at launch, where Triton launches) that grows as needed and is reused (launches on one stream run in
-    order, so reuse is safe there)."""
-    from triton.runtime import _allocation
-
-    if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        return
-
-    def alloc(size: int, alignment: int, stream):
-        dev = torch.cuda.current_device()
-        buf = _SCRATCH.get(dev)
-        if buf is None or buf.numel() < size:
-            buf = _SCRATCH[dev] = torch.empty(max(size, 1 << 20), dtype=torch.int8, device=torch.device("cuda", dev))
-        return buf
-
-    triton.set_allocator(alloc)
-
-
-def _search_steps(num_reqs: int) -> int:
-    """Binary-search steps for the request lookup, rounded up to a multiple of 4 (few compiled variants)."""
-    need = max(num_reqs - 1, 0).bit_length()
-    return -(-need // 4) * 4
-
-
-def _launch_ws(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, head_modes, head_mode_slots,
-               sink, window, scale, block_m, block_n, num_warps, num_stages, program_order, ws=True):  # fmt: skip
-    """prefill_ws's launch, arguments checked by the caller. ws=False builds the same program without the
-    specialization (benchmarks/ws/prefill_cases.py compares the two)."""
-    T, hq, d = q.shape
-    hkv = key_cache.shape[2]
-    B = seq_lens.shape[0]
-    n_tiles = triton.cdiv(T, block_m) + B
-    if not interpret():
-        _ensure_allocator()  # the device-side Q and output descriptors
-    hm_slots = head_mode_slots if head_mode_slots is not None else seq_lens
-    _prefill_ws_kernel[(n_tiles * hq,)](
-        q, _ws_descriptor(key_cache, block_n), _ws_descriptor(value_cache, block_n), T, q.stride(0), out, block_table,
-        query_start_loc, seq_lens, head_modes, hm_slots, *out.stride()[:2], key_cache.stride(2),
-        value_cache.stride(2), block_table.stride(0), *head_modes.stride(), B, hkv, n_tiles, sink, window,
-        scale * 1.4426950408889634,
-        G=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BS=key_cache.shape[1], HEAD_DIM=d,
-        HAS_SLOTS=head_mode_slots is not None, FA_FIRST=program_order == "long_first",
-        BLOCK_H=max(next_pow2(hkv), 2), SEARCH_STEPS=_search_steps(B), WS=ws and not interpret(),
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    return out
-
-
 def prefill_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -584,7 +492,6 @@ def prefill_attention(
     num_stages: int | None = None,
     use_tma: bool | None = None,
     program_order: str = "long_first",
-    use_ws: bool | None = None,
 ) -> torch.Tensor:
     """Hybrid FA/SSA/XA causal attention for a varlen batch over a paged KV cache (one launch).
 
@@ -608,12 +515,6 @@ def prefill_attention(
             multiple of block_n, see ``tma_unsupported``). None: pointer loads (measured faster),
             TMA where possible with ELASTIC_PREFILL_TMA=1; True: required (ValueError otherwise);
             False: never.
-        use_ws: the warp-specialized kernel (``prefill_ws``: one query head per program, TMA loads, a
-            producer and two consumer warp groups on sm_90; FA/SSA heads only, see ``ws_unsupported``).
-            EXPERIMENTAL, opt-in only: True runs it (sm_90, or the interpreter; ValueError naming the
-            reason otherwise); None / False: the pointer kernel. Correct on the H200 but 0.80-0.88x the
-            pointer kernel's speed (benchmarks/results/dev/ws-prefill-bench-2-h200.json), so never chosen.
-            block_m / block_n / num_warps / num_stages override its tiles (default ``WS_TILES``).
         program_order: "long_first" (default): inside each request the FA/XA programs of every
             query tile run before the SSA programs (heaviest tile first in both groups), so the
             long programs start in waves that read K/V in step; "tile_major": heaviest tile first
@@ -671,20 +572,6 @@ def prefill_attention(
 
     g = hq // hkv
     scale = d**-0.5 if scale is None else scale
-    ws_bn = block_n or WS_TILES["block_n"]
-    if use_ws:
-        why = ws_unsupported(q, key_cache, value_cache, ws_bn, has_xa, out)
-        if why is None and not interpret() and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9):
-            why = "the warp-specialized kernel is built for sm_90 (Hopper) GPUs"
-        if why:
-            raise ValueError(f"use_ws: {why}")
-        # the interpreter runs the kernel's program logic (without the specialization)
-        bm = block_m or WS_TILES["block_m"]
-        if bm < 16 or bm & (bm - 1) or ws_bn < 16 or ws_bn & (ws_bn - 1):
-            raise ValueError(f"block_m/block_n: powers of two >= 16 required, got {bm}/{ws_bn}")
-        return _launch_ws(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, head_modes,
-                          head_mode_slots, sink, window, scale, bm, ws_bn, num_warps or WS_TILES["num_warps"],
-                          num_stages or WS_TILES["num_stages"], program_order)  # fmt: skip
     cfg = default_prefill_config(d, g, q.dtype, dev)
     bm = block_m or cfg["block_m"]
     bn = block_n or cfg["block_n"]

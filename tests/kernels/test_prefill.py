@@ -237,7 +237,7 @@ def test_prefill_program_order_is_validated():
         run(batch, torch.zeros(1, 2, dtype=torch.int8), 1, 2, program_order="fa_last")
 
 
-# ------------------------------------------------------------------------------------------ use_ws
+# ------------------------------------------------------------------------------------------ cache contents
 def poison_unheld(batch: object, seqs: list[int]) -> None:
     """NaN in every cache slot no request holds (past each seq_len, spare blocks): reading one, even times a
     zero probability, makes the output NaN."""
@@ -250,7 +250,7 @@ def poison_unheld(batch: object, seqs: list[int]) -> None:
     batch.value_cache[~held] = float("nan")
 
 
-WS_CASES = {
+NAN_CASES = {
     # name: (seq_lens, query_lens, Hq, Hkv, D, block_size, sink, window, tiles (block_m, block_n))
     "varlen_chunked_empty_decode_rows": ([70, 90, 200, 5, 33], [20, 90, 77, 0, 1], 4, 2, 32, 32, 4, 25, (16, 32)),
     "tile_crosses_seq_len_mid_block": ([75, 41], [75, 41], 2, 1, 16, 64, 3, 20, (32, 32)),
@@ -259,22 +259,20 @@ WS_CASES = {
 }
 
 
-@pytest.mark.parametrize("order", ["long_first", "tile_major"])
-@pytest.mark.parametrize("name", list(WS_CASES))
-def test_prefill_ws_matches_reference_with_nan_past_seq_len(name, order):
-    """The warp-specialized kernel (csrc/prefill_ws.py; under the interpreter the same program without the
-    specialization): every visible tile through one masked loop, the tile crossing seq_len loaded shifted
-    back. NaN in every unheld cache slot and in the output: a read past seq_len or a missed row fails."""
-    seqs, qls, hq, hkv, d, bs, sink, window, (bm, bn) = WS_CASES[name]
+@pytest.mark.parametrize("name", list(NAN_CASES))
+def test_prefill_matches_reference_with_nan_past_seq_len(name):
+    """NaN in every unheld cache slot and in the output: a key or value read past seq_len (masked tiles load
+    zeros there) or a missed row fails."""
+    seqs, qls, hq, hkv, d, bs, sink, window, (bm, bn) = NAN_CASES[name]
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     batch = make_paged_batch(seqs, qls, hq, hkv, d, block_size=bs, dtype=torch.float16, generator=gen)
     poison_unheld(batch, seqs)
     hm = random_modes(len(seqs), hkv, (FA, SSA), gen)
-    out = run(batch, hm, sink, window, use_ws=True, block_m=bm, block_n=bn, program_order=order)
-    assert_close(out, ref(batch, hm, sink, window), f"{name}/{order}")
+    out = run(batch, hm, sink, window, block_m=bm, block_n=bn)
+    assert_close(out, ref(batch, hm, sink, window), name)
 
 
-def test_prefill_ws_vllm_layout_slots_and_xa_as_fa():
+def test_prefill_vllm_layout_slots_and_xa_as_fa():
     """vLLM's cache layout for this backend ([blocks, bs, Hkv, 2D], K and V interleaved per head), the
     persistent slot table, q as a view of a wider qkv row, and XA heads without metadata (run as FA)."""
     gen = torch.Generator().manual_seed(29)
@@ -293,55 +291,6 @@ def test_prefill_ws_vllm_layout_slots_and_xa_as_fa():
     out = nan_like(batch.q)
     prefill_attention(
         q, kc, vc, batch.block_table, batch.query_start_loc, batch.seq_lens, table[:, 1], sink=4, window=20,
-        out=out, head_mode_slots=slots, use_ws=True, block_m=16, block_n=32,
+        out=out, head_mode_slots=slots, block_m=16, block_n=32,
     )  # fmt: skip
-    assert_close(out, ref(batch, torch.where(hm == XA, FA, hm), 4, 20), "ws-vllm-layout")
-
-
-def test_prefill_ws_no_host_sync_and_search_steps():
-    from elastic_vllm.csrc.prefill import _search_steps
-
-    assert [_search_steps(b) for b in (0, 1, 2, 16, 17, 256, 257)] == [0, 0, 4, 4, 8, 8, 12]
-    gen = torch.Generator().manual_seed(31)
-    seqs = [20, 33, 7, 50, 16, 9, 40, 12, 5, 30, 18, 21, 3, 8, 60, 11, 25]  # 17 requests: 8 search steps
-    batch = make_paged_batch(seqs, seqs, 4, 2, 16, block_size=16, dtype=torch.float16, generator=gen)
-    hm = random_modes(len(seqs), 2, (FA, SSA), gen)
-    out = nan_like(batch.q)
-    with no_host_sync():
-        prefill_attention(
-            batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc,
-            batch.seq_lens, hm, sink=2, window=9, out=out, use_ws=True, block_m=16, block_n=16,
-        )  # fmt: skip
-    assert_close(out, ref(batch, hm, 2, 9), "ws-17-requests")
-
-
-def test_prefill_ws_unsupported_arguments_are_errors():
-    batch = make_paged_batch([40], [40], 4, 2, 16, block_size=16, dtype=torch.float16)
-    hm = torch.zeros(1, 2, dtype=torch.int8)
-    with pytest.raises(ValueError, match="use_ws: block_size 16 is not a multiple of block_n 32"):
-        run(batch, hm, 2, 5, use_ws=True, block_m=16, block_n=32)
-    with pytest.raises(ValueError, match="use_ws: XA block lists run in the pointer kernel"):
-        idx = torch.zeros(1, 2, 2, 2, dtype=torch.int32)
-        run(batch, hm, 2, 5, use_ws=True, block_m=16, block_n=16, xa_block_idx=idx,
-            xa_block_cnt=torch.zeros(1, 2, 2, dtype=torch.int32), xattn_block=16)  # fmt: skip
-    b32 = make_paged_batch([40], [40], 4, 2, 16, block_size=16)
-    with pytest.raises(ValueError, match=r"use_ws: dtype torch\.float32"):
-        run(b32, hm, 2, 5, use_ws=True, block_m=16, block_n=16)
-    with pytest.raises(ValueError, match="use_ws: head_dim 24"):
-        run(make_paged_batch([9], [9], 2, 1, 24, block_size=16, dtype=torch.float16), hm[:, :1], 2, 5, use_ws=True,
-            block_m=16, block_n=16)  # fmt: skip
-    q = batch.q.transpose(0, 1).contiguous().transpose(0, 1)  # heads not contiguous
-    with pytest.raises(ValueError, match="use_ws: q: strides"):
-        prefill_attention(q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc,
-                          batch.seq_lens, hm, sink=2, window=5, use_ws=True, block_m=16, block_n=16)  # fmt: skip
-
-
-def test_prefill_ws_is_refused_off_hopper(monkeypatch):
-    """Outside the interpreter the WS kernel needs an sm_90 GPU: anything else is an error naming that, never a
-    silent run of another kernel."""
-    from elastic_vllm.csrc import prefill as P
-
-    monkeypatch.setattr(P, "interpret", lambda: False)
-    batch = make_paged_batch([40], [40], 4, 2, 16, block_size=16, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"use_ws: the warp-specialized kernel is built for sm_90 \(Hopper\) GPUs"):
-        run(batch, torch.zeros(1, 2, dtype=torch.int8), 2, 5, use_ws=True, block_m=16, block_n=16)
+    assert_close(out, ref(batch, torch.where(hm == XA, FA, hm), 4, 20), "vllm-layout")
