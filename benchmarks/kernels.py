@@ -6,7 +6,7 @@
 Prefill (Llama-3.1-8B attention: 32 q / 8 KV heads, bf16, batch 1, causal; head_dim 128 and 64;
 SSA heads with sink 128 + window 2048; SA share = share of KV heads in SSA), at 8K/32K/128K/256K:
   ours    elastic_vllm.csrc.prefill over a paged cache (randomly permuted blocks) in the config the
-          tune section picked at 32K (block size 16 or 128, 64/128-key tiles, TMA or pointer loads)
+          tune section picked at 32K (block size 16 or 128, 64/128-key tiles, warps)
   sdpa    torch SDPA flash backend, dense causal (GQA through enable_gqa)
   flex    FlexAttention, ONE compiled call, per-head BlockMask (exact full/partial blocks) = the hybrid anchor
   split   SDPA flash on the FA heads + compiled Flex on the SA heads, two calls (heads pre-split, untimed)
@@ -418,28 +418,26 @@ def correctness() -> None:
 
 # candidates of the tune section, tried at 32K (d 128) in this order; the first is the default path
 # at vLLM's usual block size. 128-token blocks are a legitimate cache layout for this backend (vLLM
-# lets a backend declare its kernel block sizes); they allow TMA loads (tile inside one block).
+# lets a backend declare its kernel block sizes); a key tile then lies inside one block (one block-table read).
 TUNE_CANDIDATES = [
     {"bs": 16, "block_n": 128, "num_warps": 8, "num_stages": 3},
     {"bs": 16, "block_n": 64, "num_warps": 8, "num_stages": 3},
-    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": True},
-    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": False},
-    {"bs": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "use_tma": True},
+    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
     # two programs per SM (sm_90 build, results/dev/sm90-build.json: 251 registers at 4 warps, no stack, 112 KB of
     # shared memory, against 255 / 224 KB for the 128 x 128 default): one program's softmax can run under the other's MMAs without warp
     # specialization, at twice the K/V reads from L2 per FLOP (ninth session; not yet timed)
-    {"bs": 128, "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "use_tma": False},
+    {"bs": 128, "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
 ]
 
 
 # head_dim 64 (SmolLM2, Qwen2.5-0.5B...): smaller tiles per FLOP, so fewer warps / more keys per tile
 # may win; FlexAttention beat the d-128 winner here (0.86-0.93x in the first runs)
 TUNE_CANDIDATES_D64 = [
-    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": False},
-    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "use_tma": False},
-    {"bs": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "use_tma": False},
-    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 4, "use_tma": False},
-    {"bs": 128, "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "use_tma": False},
+    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    {"bs": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
+    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 4},
+    {"bs": 128, "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
 ]
 
 
@@ -456,7 +454,7 @@ def tune_section(d: int = 128) -> None:
     if DEV.type == "cuda":
         cands = TUNE_CANDIDATES if d == 128 else TUNE_CANDIDATES_D64
     else:
-        cands = [{"bs": 16, "block_n": 32}, {"bs": 32, "block_n": 32, "use_tma": True}]
+        cands = [{"bs": 16, "block_n": 32}, {"bs": 32, "block_n": 32}]
     base_out = {}
     scores = []
     for i, cfg in enumerate(cands):

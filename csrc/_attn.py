@@ -160,19 +160,14 @@ def load_tile_at(p_cache, blk, k0, seq_len, s_blk, s_tok, o_d,
 
 
 @triton.jit
-def attn_tile(acc, l_i, m_i, b_q, k_src, v_src, blk, k0, q_pos, seq_len, eff_sink, eff_window,
-              s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+def attn_tile(acc, l_i, m_i, b_q, p_k, p_v, blk, k0, q_pos, seq_len, eff_sink, eff_window,
+              s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
               BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
-              DOT_PREC: tl.constexpr):  # fmt: skip
-    """One key tile into the online softmax. k_src/v_src: cache pointers (head offset included), or
-    with USE_TMA (unmasked tiles inside one block only) 2-D tensor descriptors over the caches seen
-    as [rows, cols] with row = block * r + token and column tma_col = head * head stride."""
-    if USE_TMA:
-        b_k = k_src.load([blk * r_k + k0 % BS, tma_col])  # [BN, D]
-    else:
-        b_k = load_tile_at(k_src, blk, k0, seq_len, s_kb, s_kt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
-                           TILE_IN_BLOCK, MASKED)  # fmt: skip
+              TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """One key tile into the online softmax, given its block ids (``tile_blocks``); p_k/p_v: cache pointers,
+    head offset included."""
+    b_k = load_tile_at(p_k, blk, k0, seq_len, s_kb, s_kt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       TILE_IN_BLOCK, MASKED)  # fmt: skip
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BM, BN] raw scores
     if MASKED:
         i = q_pos[:, None]
@@ -184,21 +179,17 @@ def attn_tile(acc, l_i, m_i, b_q, k_src, v_src, blk, k0, q_pos, seq_len, eff_sin
     alpha = tl.exp2(m_i - m_new)
     b_p = tl.exp2(b_s * qk_scale - m_new[:, None])  # [BM, BN]
     l_i = l_i * alpha + tl.sum(b_p, 1)
-    if USE_TMA:
-        b_v = v_src.load([blk * r_v + k0 % BS, tma_col])
-    else:
-        b_v = load_tile_at(v_src, blk, k0, seq_len, s_vb, s_vt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
-                           TILE_IN_BLOCK, MASKED)  # fmt: skip
+    b_v = load_tile_at(p_v, blk, k0, seq_len, s_vb, s_vt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       TILE_IN_BLOCK, MASKED)  # fmt: skip
     acc = tl.dot(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, l_i, m_new
 
 
 @triton.jit
-def kv_loop(acc, l_i, m_i, b_q, k_src, v_src, p_bt, v_lo, v_hi, s_hi, w_lo, q_pos, seq_len, eff_sink,
-            eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+def kv_loop(acc, l_i, m_i, b_q, p_k, p_v, p_bt, v_lo, v_hi, s_hi, w_lo, q_pos, seq_len, eff_sink,
+            eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
             BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
-            DOT_PREC: tl.constexpr):  # fmt: skip
+            TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
     """Visible tiles v_lo..v_hi-1, tile v at key tile (v < s_hi ? v : w_lo + v - s_hi) (sink tiles,
     then window tiles); the block ids of tile v+1 are loaded during tile v (see module docstring)."""
     i_n = tl.where(v_lo < s_hi, v_lo, w_lo + v_lo - s_hi)
@@ -209,9 +200,9 @@ def kv_loop(acc, l_i, m_i, b_q, k_src, v_src, p_bt, v_lo, v_hi, s_hi, w_lo, q_po
         blk_cur = blk
         blk = tile_blocks(p_bt, i_nx * BLOCK_N, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
         acc, l_i, m_i = attn_tile(
-            acc, l_i, m_i, b_q, k_src, v_src, blk_cur, i_n * BLOCK_N, q_pos, seq_len, eff_sink, eff_window,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, MASKED, USE_TMA, DOT_PREC,
+            acc, l_i, m_i, b_q, p_k, p_v, blk_cur, i_n * BLOCK_N, q_pos, seq_len, eff_sink, eff_window,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, MASKED, DOT_PREC,
         )  # fmt: skip
     return acc, l_i, m_i
 

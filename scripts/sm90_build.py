@@ -117,7 +117,7 @@ def prefill_rows() -> list[dict]:
             P.prefill_attention(
                 torch.empty(S, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(1, nb, dtype=torch.int32),
                 torch.tensor([0, S], dtype=torch.int32), torch.tensor([S], dtype=torch.int32),
-                torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048, program_order=order, use_tma=False,
+                torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048, program_order=order,
                 block_m=128, block_n=128, num_warps=8, num_stages=3,
             )  # fmt: skip
             rows.append({"kernel": "_prefill_kernel", "block_size": bs, "program_order": order, "tiles": "128x128",
@@ -129,7 +129,7 @@ def prefill_rows() -> list[dict]:
     P.prefill_attention(
         torch.empty(S, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(1, nb, dtype=torch.int32),
         torch.tensor([0, S], dtype=torch.int32), torch.tensor([S], dtype=torch.int32),
-        torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048, use_tma=False,
+        torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048,
         block_m=64, block_n=64, num_warps=4, num_stages=3,
     )  # fmt: skip
     k = got["_prefill_kernel"]

@@ -408,20 +408,12 @@ def main() -> int:
         ),
         ("prefill 32K dense vs SDPA flash", prefill_vs_sdpa(S32, 128, 16)),
         (
-            "prefill varlen+chunked bf16 d128 bs128 TMA forced",
-            prefill_case(
-                [S8, sz(3000), sz(700)], [S8, sz(1000), sz(700)], 32, 8, 128, 128, bf, 128, W, 0.75, use_tma=True
-            ),
+            "prefill varlen+chunked bf16 d128 bs128",
+            prefill_case([S8, sz(3000), sz(700)], [S8, sz(1000), sz(700)], 32, 8, 128, 128, bf, 128, W, 0.75),
         ),
         (
-            "prefill varlen+chunked bf16 d128 bs128 pointer loads",
-            prefill_case(
-                [S8, sz(3000), sz(700)], [S8, sz(1000), sz(700)], 32, 8, 128, 128, bf, 128, W, 0.75, use_tma=False
-            ),
-        ),
-        (
-            "prefill 8K bf16 d128 bs64 block_n 64 TMA forced",
-            prefill_case([S8], [S8], 32, 8, 128, 64, bf, 128, W, 0.5, block_n=64, use_tma=True),
+            "prefill 8K bf16 d128 bs64 block_n 64",
+            prefill_case([S8], [S8], 32, 8, 128, 64, bf, 128, W, 0.5, block_n=64),
         ),
         (
             "prefill 8K bf16 d64 GQA4 bs128 default config",

@@ -74,18 +74,19 @@ def test_prefill_matches_reference(name):
     [(32, 32, False), (64, 32, True), (64, 64, False)],
     ids=["bs32-bn32", "bs64-bn32-strided", "bs64-bn64"],
 )
-def test_prefill_tma_descriptor_path(bs, block_n, strided):
-    """Unmasked tiles through 2-D tensor descriptors (row = block * stride0/stride1 + token)."""
+def test_prefill_tiles_inside_blocks(bs, block_n, strided):
+    """Key tiles inside one cache block (one block-table read per tile, affine addresses), at offsets inside the
+    block and through views of a [num_blocks, 2, block_size, H, D] cache."""
     gen = torch.Generator().manual_seed(17)
     batch = make_paged_batch([300, 90, 33, 1], [300, 33, 33, 1], 8, 2, 32, block_size=bs, generator=gen)
     hm = torch.tensor([[FA, SSA], [SSA, FA], [FA, FA], [SSA, FA]], dtype=torch.int8)
     if strided:
         batch.key_cache, batch.value_cache = strided_caches(batch)
-    out = run(batch, hm, 4, 40, block_m=32, block_n=block_n, use_tma=True)
-    assert_close(out, ref(batch, hm, 4, 40), "tma")
+    out = run(batch, hm, 4, 40, block_m=32, block_n=block_n)
+    assert_close(out, ref(batch, hm, 4, 40), "tiles-in-blocks")
 
 
-def test_prefill_tma_with_xa_heads():
+def test_prefill_xa_heads_tiles_inside_blocks():
     gen = torch.Generator().manual_seed(19)
     seqs, qls, blk = [200, 130], [200, 50], 32
     batch = make_paged_batch(seqs, qls, 4, 2, 16, block_size=32, generator=gen)
@@ -94,16 +95,8 @@ def test_prefill_tma_with_xa_heads():
     mq = max(-(-q // blk) + 1 for q in qls)
     mk = max(-(-s // blk) for s in seqs)
     idx, cnt = block_masks_to_lists(masks, seqs, qls, blk, mq, mk, 2)
-    out = run(batch, hm, 4, 20, xa_block_idx=idx, xa_block_cnt=cnt, xattn_block=blk, block_m=32, block_n=32,
-              use_tma=True)  # fmt: skip
-    assert_close(out, ref(batch, hm, 4, 20, masks, blk), "tma+xa")
-
-
-def test_prefill_tma_unsupported_layout_is_an_error():
-    batch = make_paged_batch([40], [40], 4, 2, 16, block_size=16)
-    hm = torch.zeros(1, 2, dtype=torch.int8)
-    with pytest.raises(ValueError, match="use_tma: block_size 16 is not a multiple of block_n 32"):
-        run(batch, hm, 2, 5, block_m=32, block_n=32, use_tma=True)
+    out = run(batch, hm, 4, 20, xa_block_idx=idx, xa_block_cnt=cnt, xattn_block=blk, block_m=32, block_n=32)
+    assert_close(out, ref(batch, hm, 4, 20, masks, blk), "xa-tiles-in-blocks")
 
 
 def test_prefill_long_ragged_1023():
