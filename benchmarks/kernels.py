@@ -500,7 +500,7 @@ def tune_section(d: int = 128) -> None:
 def prefill_section(S: int, d: int, shares, extra: dict | None = None) -> None:
     """sdpa dense, then per share: ours (the tuned config), flex one-call hybrid, split; ``extra``
     maps more variants of ours to (config, shares to time it at), e.g. the block-16 default when ours
-    uses 128, or the first version's tile-major program order."""
+    uses 128."""
     x = prefill_inputs(S, d)
     rows = REPORT.setdefault("prefill", [])
     sdpa, how = sdpa_fn(x)
@@ -1044,11 +1044,8 @@ def main() -> int:
     section("ceilings", ceilings, 3)
     section("correctness", correctness, 15)
     section("tune", tune_section, 25 if not dry else 1)
-    mixed = tuple(s for s in shares if 0 < s < 1)
-    # the first version's program order (tile-major, all heads of a tile adjacent), same tiles
-    order = {"ours_tile_major": (dict(OURS, program_order="tile_major"), mixed)}
-    extra = dict(order) if OURS.get("bs") == 16 else {**order, "ours_bs16_default": ({"bs": 16}, (0.75,))}
-    section("prefill S=32768 d=128", lambda: prefill_section(32768 if not dry else 256, 128, shares, order), 30)
+    extra = {} if OURS.get("bs") == 16 else {"ours_bs16_default": ({"bs": 16}, (0.75,))}
+    section("prefill S=32768 d=128", lambda: prefill_section(32768 if not dry else 256, 128, shares), 30)
     vshares = (0.0, 0.75) if not dry else (0.75,)
     section("prefill vllm layout + chunks", lambda: prefill_vllm_section(
         32768 if not dry else 256, 128, vshares, 16384 if not dry else 128), 12)  # fmt: skip

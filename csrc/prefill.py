@@ -285,7 +285,6 @@ def _prefill_kernel(
     HAS_XA: tl.constexpr,
     XA_BLOCK: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    FA_FIRST: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     i_p = tl.program_id(0)
@@ -312,14 +311,8 @@ def _prefill_kernel(
         i_row = i_b.to(tl.int64)
     # rank of this program inside its request's t_cap x Hkv programs
     i_l = i_p - (n_tiles - t_start - t_cap) * num_kv_heads
-    if FA_FIRST:
-        i_h, i_g, n_grp1 = long_first_head(head_modes + i_row * s_hm0, s_hm1, num_kv_heads, i_l, t_cap, i_b, 1,
-                                           BLOCK_H)  # fmt: skip
-        i_tl = t_cap - 1 - i_g // n_grp1  # tile index inside the request
-    else:
-        # tile-major: heaviest tile first, all KV heads of a tile adjacent
-        i_h = i_p % num_kv_heads
-        i_tl = i_t - t_start
+    i_h, i_g, n_grp = long_first_head(head_modes + i_row * s_hm0, s_hm1, num_kv_heads, i_l, t_cap, i_b, BLOCK_H)
+    i_tl = t_cap - 1 - i_g // n_grp  # tile index inside the request
     if i_tl * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens + i_b)
@@ -424,7 +417,6 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    program_order: str = "long_first",
 ) -> torch.Tensor:
     """Hybrid FA/SSA/XA causal attention for a varlen batch over a paged KV cache (one launch).
 
@@ -444,17 +436,11 @@ def prefill_attention(
             produced by ``xattn_select``). Without them, XA heads run as FA.
         out: optional [T, Hq, D] output (written in place).
         block_m, block_n, num_warps, num_stages: tuning overrides.
-        program_order: "long_first" (default): inside each request the FA/XA programs of every
-            query tile run before the SSA programs (heaviest tile first in both groups), so the
-            long programs start in waves that read K/V in step; "tile_major": heaviest tile first
-            with all KV heads of a tile adjacent (the first version; kept for the benchmark).
 
     Returns:
         out [T, Hq, D] in q's dtype. No host synchronisation.
     """
     check_tensor(q, "q", dim=3, dtypes=(torch.float16, torch.bfloat16, torch.float32), last_contiguous=True)
-    if program_order not in ("long_first", "tile_major"):
-        raise ValueError(f"program_order: expected 'long_first' or 'tile_major', got {program_order!r}")
     dev = q.device
     _nb, bs, hkv, d = check_cache_pair(key_cache, value_cache)
     if key_cache.dtype != q.dtype:
@@ -532,7 +518,7 @@ def prefill_attention(
         G=g, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=max(next_pow2(d), 16),
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, HAS_XA=has_xa,
         XA_BLOCK=xattn_block, DOT_PREC=dot_precision(q.dtype),
-        FA_FIRST=program_order == "long_first", BLOCK_H=max(next_pow2(hkv), 2),
+        BLOCK_H=max(next_pow2(hkv), 2),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
     _prefill_kernel[grid](*args, **meta)

@@ -111,18 +111,17 @@ def prefill_rows() -> list[dict]:
     rows = []
     S, hq, hkv, d = 4096, 32, 8, 128
     for bs in (16, 128):
-        for order in ("tile_major", "long_first"):
-            nb = S // bs + 1
-            kv = torch.empty(nb, 2, bs, hkv, d, dtype=torch.bfloat16)
-            P.prefill_attention(
-                torch.empty(S, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(1, nb, dtype=torch.int32),
-                torch.tensor([0, S], dtype=torch.int32), torch.tensor([S], dtype=torch.int32),
-                torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048, program_order=order,
-                block_m=128, block_n=128, num_warps=8, num_stages=3,
-            )  # fmt: skip
-            rows.append({"kernel": "_prefill_kernel", "block_size": bs, "program_order": order, "tiles": "128x128",
-                         "num_warps": 8, "shared_bytes": got["_prefill_kernel"].metadata.shared,
-                         **_resources(got["_prefill_kernel"])})  # fmt: skip
+        nb = S // bs + 1
+        kv = torch.empty(nb, 2, bs, hkv, d, dtype=torch.bfloat16)
+        P.prefill_attention(
+            torch.empty(S, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(1, nb, dtype=torch.int32),
+            torch.tensor([0, S], dtype=torch.int32), torch.tensor([S], dtype=torch.int32),
+            torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048,
+            block_m=128, block_n=128, num_warps=8, num_stages=3,
+        )  # fmt: skip
+        rows.append({"kernel": "_prefill_kernel", "block_size": bs, "tiles": "128x128",
+                     "num_warps": 8, "shared_bytes": got["_prefill_kernel"].metadata.shared,
+                     **_resources(got["_prefill_kernel"])})  # fmt: skip
     # the tune candidate with two programs per SM (benchmarks/kernels.py TUNE_CANDIDATES): 64 x 64 tiles, 4 warps
     nb = S // 128 + 1
     kv = torch.empty(nb, 2, 128, hkv, d, dtype=torch.bfloat16)
@@ -133,7 +132,7 @@ def prefill_rows() -> list[dict]:
         block_m=64, block_n=64, num_warps=4, num_stages=3,
     )  # fmt: skip
     k = got["_prefill_kernel"]
-    rows.append({"kernel": "_prefill_kernel", "block_size": 128, "program_order": "long_first", "tiles": "64x64",
+    rows.append({"kernel": "_prefill_kernel", "block_size": 128, "tiles": "64x64",
                  "num_warps": 4, "shared_bytes": k.metadata.shared, **_resources(k)})  # fmt: skip
     return rows
 

@@ -200,10 +200,9 @@ def test_prefill_launcher_errors_name_the_argument():
         prefill_attention(*args[:3], args[3].float(), *args[4:], hm, sink=1, window=2)
 
 
-@pytest.mark.parametrize("order", ["long_first", "tile_major"])
-def test_prefill_program_orders_with_many_heads(order):
+def test_prefill_program_order_with_many_heads():
     """Five KV heads whose long (FA/XA) and SSA heads differ per request, some request with none of
-    one kind, through the slot table: each order must map every (tile, head) to exactly one
+    one kind, through the slot table: the long-first order must map every (tile, head) to exactly one
     program (NaN-poisoned output) and give the reference's result."""
     gen = torch.Generator().manual_seed(23)
     seqs, qls = [150, 90, 61, 40], [150, 45, 61, 1]
@@ -218,16 +217,10 @@ def test_prefill_program_orders_with_many_heads(order):
     out = nan_like(batch.q)
     prefill_attention(
         batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
-        table[:, 1], sink=4, window=24, out=out, head_mode_slots=slots, block_m=32, block_n=16, program_order=order,
+        table[:, 1], sink=4, window=24, out=out, head_mode_slots=slots, block_m=32, block_n=16,
     )  # fmt: skip
     hm_ref = torch.where(hm == XA, FA, hm)  # no XA metadata: XA runs as FA
-    assert_close(out, ref(batch, hm_ref, 4, 24), order)
-
-
-def test_prefill_program_order_is_validated():
-    batch = make_paged_batch([20], [20], 4, 2, 16, block_size=16)
-    with pytest.raises(ValueError, match="program_order: expected 'long_first' or 'tile_major', got 'fa_last'"):
-        run(batch, torch.zeros(1, 2, dtype=torch.int8), 1, 2, program_order="fa_last")
+    assert_close(out, ref(batch, hm_ref, 4, 24), "long-first")
 
 
 # ------------------------------------------------------------------------------------------ cache contents
