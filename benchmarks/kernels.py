@@ -889,16 +889,6 @@ def decode_splits_section() -> None:
                  lambda ctx, B: [{"num_splits": max(1, round(_default_splits(ctx, B) * m))} for m in mults], "eager")  # fmt: skip
 
 
-def decode_order_section() -> None:
-    """Launch order of the decode grid (``heavy_first``): the FA heads' programs first, the short SSA
-    programs after them, against the plain order (the last requests' FA programs start last), at the
-    e2e decode shapes and 128K x 16, timed eagerly and replayed from a CUDA graph; x2 splits too."""
-    shapes = ((32768, 16), (131072, 4), (131072, 16)) if DEV.type == "cuda" else ((512, 2),)
-    decode_sweep("decode_order", shapes, lambda ctx, B: [
-        {"heavy_first": hf, "num_splits": _default_splits(ctx, B) * m} for hf, m in ((False, 1), (True, 1), (True, 2))
-    ], "both")  # fmt: skip
-
-
 def decode_config_section() -> None:
     """Tile configs of the decode kernel (block_n, num_stages, num_warps) at the e2e decode shapes, replayed
     from a CUDA graph as vLLM's decode step runs it; the first row of each shape is the default config."""
@@ -1001,10 +991,6 @@ def summary() -> None:
     for r in REPORT.get("decode_config", []):
         print(f"  decode config ctx={r['ctx']} B={r['B']} {r['mode']:<6} bn={r['block_n']:<4} stages={r['num_stages']}"
               f" warps={r['num_warps']} graph {r['graph']['ms']:.4f} ms rel {r['rel_diff_vs_first']:.1e}")  # fmt: skip
-    for r in REPORT.get("decode_order", []):
-        print(f"  decode order ctx={r['ctx']} B={r['B']} {r['mode']:<6} heavy_first={r['heavy_first']!s:<5}"
-              f" ns={r['num_splits']:<4} eager {r['eager']['ms']:.3f} graph {r['graph']['ms']:.4f} ms"
-              f" rel {r['rel_diff_vs_first']:.1e}")  # fmt: skip
     for r in REPORT.get("router", []):
         g = r.get("graph", {}).get("ms")
         print(f"  router prompt={r['prompt']} R={r['requests']} eager {r['eager']['ms']:.3f} ms graph {g} ms"
@@ -1058,7 +1044,6 @@ def main() -> int:
         section("decode splits", decode_splits_section, 10)
     else:
         section("decode 512", lambda: decode_section(512, (2,)), 1)
-    section("decode order", decode_order_section, 15)
     section("decode config", decode_config_section, 20)
     section("router", router_section, 8)
     if not dry:
