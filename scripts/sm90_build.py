@@ -6,8 +6,8 @@
 
 A fake active driver reports an sm_90 target; the launchers run with CPU tensors and ``warmup=True`` (compile,
 no launch). From each cubin, with the cuobjdump that Triton ships: registers, stack bytes (spills live there)
-and the global loads by width (LDG.E = 4 bytes, LDG.E.128 = 16 bytes). Rows: the prefill kernel in both
-program orders at block size 16 and 128 (Llama-3.1-8B attention shape); the two router kernels with
+and the global loads by width (LDG.E = 4 bytes, LDG.E.128 = 16 bytes). Rows: the prefill kernel at block
+size 16 and 128 and the tune candidate with 64 x 64 tiles (Llama-3.1-8B attention shape); the two router kernels with
 packed weight rows padded (``pack_router_weights``) and unpadded (``router_param_count`` floats), with the
 order of their loads and barriers (``schedule``); the decode split and merge kernels.
 """
