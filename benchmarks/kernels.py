@@ -6,7 +6,7 @@
 Prefill (Llama-3.1-8B attention: 32 q / 8 KV heads, bf16, batch 1, causal; head_dim 128 and 64;
 SSA heads with sink 128 + window 2048; SA share = share of KV heads in SSA), at 8K/32K/128K/256K:
   ours    elastic_vllm.csrc.prefill over a paged cache (randomly permuted blocks) in the config the
-          tune section picked at 32K (block size 16 or 128, 64/128-key tiles, TMA or pointer loads)
+          tune section picked at 32K (block size 16 or 128, 64/128-key tiles, warps)
   sdpa    torch SDPA flash backend, dense causal (GQA through enable_gqa)
   flex    FlexAttention, ONE compiled call, per-head BlockMask (exact full/partial blocks) = the hybrid anchor
   split   SDPA flash on the FA heads + compiled Flex on the SA heads, two calls (heads pre-split, untimed)
@@ -418,28 +418,27 @@ def correctness() -> None:
 
 # candidates of the tune section, tried at 32K (d 128) in this order; the first is the default path
 # at vLLM's usual block size. 128-token blocks are a legitimate cache layout for this backend (vLLM
-# lets a backend declare its kernel block sizes); they allow TMA loads (tile inside one block).
+# lets a backend declare its kernel block sizes); a key tile then lies inside one block (one block-table read).
 TUNE_CANDIDATES = [
     {"bs": 16, "block_n": 128, "num_warps": 8, "num_stages": 3},
     {"bs": 16, "block_n": 64, "num_warps": 8, "num_stages": 3},
-    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": True},
-    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": False},
-    {"bs": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "use_tma": True},
+    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
     # two programs per SM (sm_90 build, results/dev/sm90-build.json: 251 registers at 4 warps, no stack, 112 KB of
     # shared memory, against 255 / 224 KB for the 128 x 128 default): one program's softmax can run under the other's MMAs without warp
-    # specialization, at twice the K/V reads from L2 per FLOP (ninth session; not yet timed)
-    {"bs": 128, "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "use_tma": False},
+    # specialization, at twice the K/V reads from L2 per FLOP (measured slower: 22.10 vs 16.56 ms dense at 32K,
+    # kernels-prefill-fa3-h200.json)
+    {"bs": 128, "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
 ]
 
 
 # head_dim 64 (SmolLM2, Qwen2.5-0.5B...): smaller tiles per FLOP, so fewer warps / more keys per tile
 # may win; FlexAttention beat the d-128 winner here (0.86-0.93x in the first runs)
 TUNE_CANDIDATES_D64 = [
-    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "use_tma": False},
-    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "use_tma": False},
-    {"bs": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "use_tma": False},
-    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 4, "use_tma": False},
-    {"bs": 128, "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "use_tma": False},
+    {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    {"bs": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
+    {"bs": 128, "block_n": 128, "num_warps": 4, "num_stages": 4},
+    {"bs": 128, "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
 ]
 
 
@@ -456,7 +455,7 @@ def tune_section(d: int = 128) -> None:
     if DEV.type == "cuda":
         cands = TUNE_CANDIDATES if d == 128 else TUNE_CANDIDATES_D64
     else:
-        cands = [{"bs": 16, "block_n": 32}, {"bs": 32, "block_n": 32, "use_tma": True}]
+        cands = [{"bs": 16, "block_n": 32}, {"bs": 32, "block_n": 32}]
     base_out = {}
     scores = []
     for i, cfg in enumerate(cands):
@@ -502,7 +501,7 @@ def tune_section(d: int = 128) -> None:
 def prefill_section(S: int, d: int, shares, extra: dict | None = None) -> None:
     """sdpa dense, then per share: ours (the tuned config), flex one-call hybrid, split; ``extra``
     maps more variants of ours to (config, shares to time it at), e.g. the block-16 default when ours
-    uses 128, or the first version's tile-major program order."""
+    uses 128."""
     x = prefill_inputs(S, d)
     rows = REPORT.setdefault("prefill", [])
     sdpa, how = sdpa_fn(x)
@@ -891,16 +890,6 @@ def decode_splits_section() -> None:
                  lambda ctx, B: [{"num_splits": max(1, round(_default_splits(ctx, B) * m))} for m in mults], "eager")  # fmt: skip
 
 
-def decode_order_section() -> None:
-    """Launch order of the decode grid (``heavy_first``): the FA heads' programs first, the short SSA
-    programs after them, against the plain order (the last requests' FA programs start last), at the
-    e2e decode shapes and 128K x 16, timed eagerly and replayed from a CUDA graph; x2 splits too."""
-    shapes = ((32768, 16), (131072, 4), (131072, 16)) if DEV.type == "cuda" else ((512, 2),)
-    decode_sweep("decode_order", shapes, lambda ctx, B: [
-        {"heavy_first": hf, "num_splits": _default_splits(ctx, B) * m} for hf, m in ((False, 1), (True, 1), (True, 2))
-    ], "both")  # fmt: skip
-
-
 def decode_config_section() -> None:
     """Tile configs of the decode kernel (block_n, num_stages, num_warps) at the e2e decode shapes, replayed
     from a CUDA graph as vLLM's decode step runs it; the first row of each shape is the default config."""
@@ -1003,10 +992,6 @@ def summary() -> None:
     for r in REPORT.get("decode_config", []):
         print(f"  decode config ctx={r['ctx']} B={r['B']} {r['mode']:<6} bn={r['block_n']:<4} stages={r['num_stages']}"
               f" warps={r['num_warps']} graph {r['graph']['ms']:.4f} ms rel {r['rel_diff_vs_first']:.1e}")  # fmt: skip
-    for r in REPORT.get("decode_order", []):
-        print(f"  decode order ctx={r['ctx']} B={r['B']} {r['mode']:<6} heavy_first={r['heavy_first']!s:<5}"
-              f" ns={r['num_splits']:<4} eager {r['eager']['ms']:.3f} graph {r['graph']['ms']:.4f} ms"
-              f" rel {r['rel_diff_vs_first']:.1e}")  # fmt: skip
     for r in REPORT.get("router", []):
         g = r.get("graph", {}).get("ms")
         print(f"  router prompt={r['prompt']} R={r['requests']} eager {r['eager']['ms']:.3f} ms graph {g} ms"
@@ -1046,11 +1031,8 @@ def main() -> int:
     section("ceilings", ceilings, 3)
     section("correctness", correctness, 15)
     section("tune", tune_section, 25 if not dry else 1)
-    mixed = tuple(s for s in shares if 0 < s < 1)
-    # the first version's program order (tile-major, all heads of a tile adjacent), same tiles
-    order = {"ours_tile_major": (dict(OURS, program_order="tile_major"), mixed)}
-    extra = dict(order) if OURS.get("bs") == 16 else {**order, "ours_bs16_default": ({"bs": 16}, (0.75,))}
-    section("prefill S=32768 d=128", lambda: prefill_section(32768 if not dry else 256, 128, shares, order), 30)
+    extra = {} if OURS.get("bs") == 16 else {"ours_bs16_default": ({"bs": 16}, (0.75,))}
+    section("prefill S=32768 d=128", lambda: prefill_section(32768 if not dry else 256, 128, shares), 30)
     vshares = (0.0, 0.75) if not dry else (0.75,)
     section("prefill vllm layout + chunks", lambda: prefill_vllm_section(
         32768 if not dry else 256, 128, vshares, 16384 if not dry else 128), 12)  # fmt: skip
@@ -1063,7 +1045,6 @@ def main() -> int:
         section("decode splits", decode_splits_section, 10)
     else:
         section("decode 512", lambda: decode_section(512, (2,)), 1)
-    section("decode order", decode_order_section, 15)
     section("decode config", decode_config_section, 20)
     section("router", router_section, 8)
     if not dry:

@@ -9,6 +9,6 @@ and a plain-PyTorch reference in ``elastic_vllm.reference``:
 - ``elastic_vllm.csrc.route.route``: the Attention Router from the paged cache into a decision table
 - ``elastic_vllm.csrc.xattn_select.xattn_select``: XAttention block selection (prefill metadata)
 
-Importing this package imports nothing else and compiles nothing. Design notes and rooflines:
-csrc/NOTES.md.
+Importing this package imports nothing else and compiles nothing. Variants tried and rejected, with their
+numbers: csrc/README.md; design notes and rooflines: csrc/NOTES.md.
 """

@@ -160,19 +160,14 @@ def load_tile_at(p_cache, blk, k0, seq_len, s_blk, s_tok, o_d,
 
 
 @triton.jit
-def attn_tile(acc, l_i, m_i, b_q, k_src, v_src, blk, k0, q_pos, seq_len, eff_sink, eff_window,
-              s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+def attn_tile(acc, l_i, m_i, b_q, p_k, p_v, blk, k0, q_pos, seq_len, eff_sink, eff_window,
+              s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
               BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
-              DOT_PREC: tl.constexpr):  # fmt: skip
-    """One key tile into the online softmax. k_src/v_src: cache pointers (head offset included), or
-    with USE_TMA (unmasked tiles inside one block only) 2-D tensor descriptors over the caches seen
-    as [rows, cols] with row = block * r + token and column tma_col = head * head stride."""
-    if USE_TMA:
-        b_k = k_src.load([blk * r_k + k0 % BS, tma_col])  # [BN, D]
-    else:
-        b_k = load_tile_at(k_src, blk, k0, seq_len, s_kb, s_kt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
-                           TILE_IN_BLOCK, MASKED)  # fmt: skip
+              TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """One key tile into the online softmax, given its block ids (``tile_blocks``); p_k/p_v: cache pointers,
+    head offset included."""
+    b_k = load_tile_at(p_k, blk, k0, seq_len, s_kb, s_kt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       TILE_IN_BLOCK, MASKED)  # fmt: skip
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BM, BN] raw scores
     if MASKED:
         i = q_pos[:, None]
@@ -184,21 +179,17 @@ def attn_tile(acc, l_i, m_i, b_q, k_src, v_src, blk, k0, q_pos, seq_len, eff_sin
     alpha = tl.exp2(m_i - m_new)
     b_p = tl.exp2(b_s * qk_scale - m_new[:, None])  # [BM, BN]
     l_i = l_i * alpha + tl.sum(b_p, 1)
-    if USE_TMA:
-        b_v = v_src.load([blk * r_v + k0 % BS, tma_col])
-    else:
-        b_v = load_tile_at(v_src, blk, k0, seq_len, s_vb, s_vt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
-                           TILE_IN_BLOCK, MASKED)  # fmt: skip
+    b_v = load_tile_at(p_v, blk, k0, seq_len, s_vb, s_vt, o_d, BS, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       TILE_IN_BLOCK, MASKED)  # fmt: skip
     acc = tl.dot(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, l_i, m_new
 
 
 @triton.jit
-def kv_loop(acc, l_i, m_i, b_q, k_src, v_src, p_bt, v_lo, v_hi, s_hi, w_lo, q_pos, seq_len, eff_sink,
-            eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
+def kv_loop(acc, l_i, m_i, b_q, p_k, p_v, p_bt, v_lo, v_hi, s_hi, w_lo, q_pos, seq_len, eff_sink,
+            eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
             BS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
-            DOT_PREC: tl.constexpr):  # fmt: skip
+            TILE_IN_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
     """Visible tiles v_lo..v_hi-1, tile v at key tile (v < s_hi ? v : w_lo + v - s_hi) (sink tiles,
     then window tiles); the block ids of tile v+1 are loaded during tile v (see module docstring)."""
     i_n = tl.where(v_lo < s_hi, v_lo, w_lo + v_lo - s_hi)
@@ -209,21 +200,21 @@ def kv_loop(acc, l_i, m_i, b_q, k_src, v_src, p_bt, v_lo, v_hi, s_hi, w_lo, q_po
         blk_cur = blk
         blk = tile_blocks(p_bt, i_nx * BLOCK_N, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
         acc, l_i, m_i = attn_tile(
-            acc, l_i, m_i, b_q, k_src, v_src, blk_cur, i_n * BLOCK_N, q_pos, seq_len, eff_sink, eff_window,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, MASKED, USE_TMA, DOT_PREC,
+            acc, l_i, m_i, b_q, p_k, p_v, blk_cur, i_n * BLOCK_N, q_pos, seq_len, eff_sink, eff_window,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, MASKED, DOT_PREC,
         )  # fmt: skip
     return acc, l_i, m_i
 
 
 @triton.jit
-def long_first_head(p_md, s_hm1, num_kv_heads, i_l, t_cap, i0, PER_HEAD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program order "long_first" of the prefill kernels: program i_l of a request's t_cap tiles x Hkv heads x
-    PER_HEAD programs -> (KV head, rank i_g in its group, programs per tile of the group). The long heads (FA,
-    and XA: mode != 1) of every tile come first, heaviest tile first, the PER_HEAD programs of a head and the
-    long heads of one tile adjacent; then the SSA heads the same way. Long programs of one wave then walk K/V in
-    step and share it through L2; mixed in with short SSA programs they start staggered, walk different K/V
-    tiles and, at 128K where one head's K/V (64 MB) outgrows L2, the hybrid turned HBM-bound. Scalar loads in
+def long_first_head(p_md, s_hm1, num_kv_heads, i_l, t_cap, i0, BLOCK_H: tl.constexpr):
+    """Program order of the prefill kernel: program i_l of a request's t_cap tiles x Hkv heads -> (KV head, rank
+    i_g in its group, heads of the group). The long heads (FA, and XA: mode != 1) of every tile come first,
+    heaviest tile first, the long heads of one tile adjacent; then the SSA heads the same way. Long programs of
+    one wave then walk K/V in step and share it through L2; mixed in with short SSA programs (tile-major order,
+    csrc/README.md) they start staggered, walk different K/V tiles and, at 128K where one head's K/V (64 MB)
+    outgrows L2, the hybrid turned HBM-bound (87.2 vs 74.4 ms at 128K, 75% SSA heads). Scalar loads in
     static loops over the BLOCK_H heads keep the head a uniform value (a tl.sum/cumsum over a head vector made it
     per-thread, and every K/V address derived from it: +8 / +26 spilled registers in the sm_90 build, 7% slower
     dense tiles). i0: any int32 scalar of the program (typed zero)."""
@@ -231,10 +222,10 @@ def long_first_head(p_md, s_hm1, num_kv_heads, i_l, t_cap, i0, PER_HEAD: tl.cons
     for h in tl.static_range(BLOCK_H):
         md = tl.load(p_md + h * s_hm1, mask=h < num_kv_heads, other=1).to(tl.int32)
         n_long += (md != 1).to(tl.int32)
-    in_long = i_l < n_long * PER_HEAD * t_cap
-    n_grp = tl.maximum(tl.where(in_long, n_long, num_kv_heads - n_long), 1) * PER_HEAD
-    i_g = tl.where(in_long, i_l, i_l - n_long * PER_HEAD * t_cap)
-    rank = (i_g % n_grp) // PER_HEAD
+    in_long = i_l < n_long * t_cap
+    n_grp = tl.maximum(tl.where(in_long, n_long, num_kv_heads - n_long), 1)
+    i_g = tl.where(in_long, i_l, i_l - n_long * t_cap)
+    rank = i_g % n_grp
     i_h = i0 * 0
     c_grp = i0 * 0
     for h in tl.static_range(BLOCK_H):

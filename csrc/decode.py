@@ -44,44 +44,6 @@ from ._common import (
 )
 
 
-@triton.jit
-def _heavy_first_program(seq_lens, head_modes, head_mode_slots, s_hm0, s_hm1, num_splits,
-                         HAS_SLOTS: tl.constexpr, BLOCK_P: tl.constexpr):  # fmt: skip
-    """(split, KV head, request, seq_len, mode) of this program when the programs of the heavy pairs
-    (request, KV head) - FA or XA heads of non-empty requests, which read the whole context - come
-    first in launch order, the SSA and empty pairs after them (longest-processing-time-first order).
-    Launch order is the linear program id, so without this the programs of the last requests' FA
-    heads start last and the GPU idles while they run; with it the short SSA programs fill the
-    tail. Every program loads the modes and lengths of all B x Hkv pairs (one vector load each,
-    issued together; the same two dependent loads as the plain order) and finds its pair as the
-    k-th heavy (or light) one by a prefix count: a permutation of the pairs, so every split of
-    every pair is still run exactly once."""
-    hkv = tl.num_programs(1)
-    n_pairs = hkv * tl.num_programs(2)
-    t = tl.program_id(0) + num_splits * (tl.program_id(1) + hkv * tl.program_id(2))
-    o_p = tl.arange(0, BLOCK_P)
-    m_p = o_p < n_pairs
-    p_b = o_p // hkv
-    if HAS_SLOTS:
-        p_row = tl.load(head_mode_slots + p_b, mask=m_p, other=0).to(tl.int64)
-    else:
-        p_row = p_b.to(tl.int64)
-    p_len = tl.load(seq_lens + p_b, mask=m_p, other=0)
-    p_mode = tl.load(head_modes + p_row * s_hm0 + (o_p % hkv) * s_hm1, mask=m_p, other=1).to(tl.int32)
-    heavy = m_p & (p_mode != 1) & (p_len > 0)
-    n_heavy = tl.sum(heavy.to(tl.int32), 0)
-    c_heavy = tl.cumsum(heavy.to(tl.int32), 0)  # inclusive; padding positions count as light but
-    c_light = o_p + 1 - c_heavy  # come after every real light pair, so no k reaches them
-    k = t // num_splits
-    kk = tl.where(k < n_heavy, k, k - n_heavy)
-    cnt = tl.where(k < n_heavy, c_heavy, c_light)
-    i_p = tl.sum((cnt <= kk).to(tl.int32), 0)  # the position of the kk-th heavy (light) pair
-    mine = o_p == i_p
-    seq_len = tl.sum(tl.where(mine, p_len, 0), 0)
-    mode = tl.sum(tl.where(mine, p_mode, 0), 0)
-    return t % num_splits, i_p % hkv, i_p // hkv, seq_len, mode
-
-
 # num_splits / min_tiles follow the longest context of the step, strides the engine's block table and cache:
 # not specialised, so one compiled kernel serves every length and the warm-up's synthetic batch (the merge kernel's BLOCK_S, a power of two of the splits, is compiled at warm-up).
 @triton.jit(
@@ -142,25 +104,18 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr,
-    BLOCK_P: tl.constexpr,
 ):
     if USE_PDL:  # the merge kernel may launch (and wait in griddepcontrol.wait) once every split started
         tl.extra.cuda.gdc_launch_dependents()
-    if HEAVY_FIRST:
-        i_s, i_h, i_b, seq_len, mode = _heavy_first_program(
-            seq_lens, head_modes, head_mode_slots, s_hm0, s_hm1, num_splits, HAS_SLOTS, BLOCK_P
-        )
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    seq_len = tl.load(seq_lens + i_b)
+    if HAS_SLOTS:
+        i_row = tl.load(head_mode_slots + i_b).to(tl.int64)
     else:
-        i_s = tl.program_id(0)
-        i_h = tl.program_id(1)
-        i_b = tl.program_id(2)
-        seq_len = tl.load(seq_lens + i_b)
-        if HAS_SLOTS:
-            i_row = tl.load(head_mode_slots + i_b).to(tl.int64)
-        else:
-            i_row = i_b.to(tl.int64)
-        mode = tl.load(head_modes + i_row * s_hm0 + i_h * s_hm1).to(tl.int32)
+        i_row = i_b.to(tl.int64)
+    mode = tl.load(head_modes + i_row * s_hm0 + i_h * s_hm1).to(tl.int32)
     is_ssa = mode == 1
     eff_sink = tl.where(is_ssa, sink, 0)
     eff_window = tl.where(is_ssa, window, 1 << 30)
@@ -245,9 +200,6 @@ def _decode_merge_kernel(
     tl.store(o + i_b.to(tl.int64) * s_ob + i_hq * s_oh + o_d, b_out.to(o.dtype.element_ty), mask=o_d < HEAD_DIM)
 
 
-HEAVY_FIRST_MAX_PAIRS = 2048  # every program scans all pairs: a bound on that vector
-
-
 def default_decode_config(head_dim: int) -> dict:
     if interpret():
         return {"block_n": 32, "num_warps": 4, "num_stages": 1}
@@ -289,7 +241,6 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool | None = None,
-    heavy_first: bool = False,
 ) -> torch.Tensor:
     """Decode attention: one query per request, per-(request, KV head) FA or SSA, split-KV.
 
@@ -304,10 +255,6 @@ def decode_attention(
         num_splits: override of the split count (1 = no merge kernel).
         pdl: launch the merge kernel as a programmatic dependent launch of the split kernel (its launch
             overlaps the splits' tail; default: on sm_90+ CUDA; True elsewhere is a ValueError).
-        heavy_first: launch order with the programs of the FA/XA (request, head) pairs first and the
-            short SSA ones after them (``_heavy_first_program``; at most ``HEAVY_FIRST_MAX_PAIRS``
-            pairs). Off by default: on the H200 (CUDA-graph replay, 64-key tiles) it gained 3.6% at
-            128K x 16 with 75% SSA heads and lost ~1% at the e2e shapes (kernels.py ``decode order``).
 
     Returns:
         out [B, Hq, D] in q's dtype. No host synchronisation; CUDA-graph capturable.
@@ -364,9 +311,6 @@ def decode_attention(
     else:
         o_part = lse_part = out
     hm_slots = head_mode_slots if head_mode_slots is not None else seq_lens
-    n_pairs = B * hkv
-    if heavy_first and n_pairs > HEAVY_FIRST_MAX_PAIRS:
-        raise ValueError(f"heavy_first: at most {HEAVY_FIRST_MAX_PAIRS} (request, KV head) pairs, got {n_pairs}")
     block_d = max(next_pow2(d), 16)
     _decode_kernel[(ns, hkv, B)](
         q, key_cache, value_cache, out, o_part, lse_part, block_table, seq_lens, head_modes, hm_slots,
@@ -378,7 +322,6 @@ def decode_attention(
         G=g, BLOCK_H=max(16, next_pow2(g)), BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=block_d,
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, SPLIT=split,
         DOT_PREC=dot_precision(q.dtype), USE_PDL=split and use_pdl,
-        HEAVY_FIRST=heavy_first, BLOCK_P=max(16, next_pow2(n_pairs)) if heavy_first else 16,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
     if split:

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import warnings
 
 import torch
 import triton
@@ -47,7 +45,6 @@ from ._common import (
     next_pow2,
     prev_pow2,
 )
-from .prefill_ws import _prefill_ws_kernel
 
 
 @triton.jit
@@ -58,8 +55,6 @@ def _window_loops(
     b_q,
     p_k,
     p_v,
-    k_desc,
-    v_desc,
     p_bt,
     q_pos,
     q_lo,
@@ -73,15 +68,11 @@ def _window_loops(
     s_vt,
     o_d,
     qk_scale,
-    tma_col,
-    r_k,
-    r_v,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr,
-    USE_TMA: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """FA and SSA: sink tiles + window tiles for queries at positions q_lo..q_hi."""
@@ -94,30 +85,23 @@ def _window_loops(
     f_hi = (q_lo + 1) // BLOCK_N
     u_lo = tl.minimum(tl.maximum(f_lo, w_lo), w_hi)
     u_hi = tl.maximum(tl.minimum(f_hi, w_hi), u_lo)
-    # 2) unmasked interior (the bulk of an FA head's work): the only loop that may use TMA
-    if USE_TMA:
-        acc, l_i, m_i = kv_loop(
-            acc, l_i, m_i, b_q, k_desc, v_desc, p_bt, u_lo, u_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, True, DOT_PREC,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = kv_loop(
-            acc, l_i, m_i, b_q, p_k, p_v, p_bt, u_lo, u_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, False, DOT_PREC,
-        )  # fmt: skip
+    # 2) unmasked interior (the bulk of an FA head's work)
+    acc, l_i, m_i = kv_loop(
+        acc, l_i, m_i, b_q, p_k, p_v, p_bt, u_lo, u_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
+        s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, DOT_PREC,
+    )  # fmt: skip
     # 1) masked: sink tiles, then the window's leading edge [w_lo, u_lo)
     acc, l_i, m_i = kv_loop(
         acc, l_i, m_i, b_q, p_k, p_v, p_bt, 0, s_hi + (u_lo - w_lo), s_hi, w_lo, q_pos, seq_len, eff_sink,
-        eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
+        eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, DOT_PREC,
     )  # fmt: skip
     # 3) masked: the diagonal tiles
     acc, l_i, m_i = kv_loop(
         acc, l_i, m_i, b_q, p_k, p_v, p_bt, u_hi, w_hi, 0, 0, q_pos, seq_len, eff_sink, eff_window,
-        s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
+        s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+        BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, DOT_PREC,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -189,8 +173,8 @@ def _xa_loop(
         c_nx2 = tl.load(p_l1 + (i_v + 2) // SUB, mask=i_v + 2 < n_fast, other=0)
         acc, l_i, m_i = attn_tile(
             acc, l_i, m_i, b_q, p_k, p_v, blk_cur, k_cur, q_pos, seq_len, 0, 1 << 30,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, 0, 0, 0,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, False, DOT_PREC,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, False, DOT_PREC,
         )  # fmt: skip
     # fast path, 2) the diagonal block A when listed, causal
     n_diag = tl.where(two, 0, tl.where(has_diag, SUB, 0))
@@ -199,8 +183,8 @@ def _xa_loop(
         blk = tile_blocks(p_bt, k0, seq_len, BS, BLOCK_N, TILE_IN_BLOCK)
         acc, l_i, m_i = attn_tile(
             acc, l_i, m_i, b_q, p_k, p_v, blk, k0, q_pos, seq_len, 0, 1 << 30,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, 0, 0, 0,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, False, DOT_PREC,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, True, DOT_PREC,
         )  # fmt: skip
     # a tile across two query blocks: every listed tile masked, rows filtered by their query block
     row_qb = q_pos // XA_BLOCK  # [BM]
@@ -265,8 +249,6 @@ def _prefill_kernel(
     head_mode_slots,
     xa_idx,
     xa_cnt,
-    k_desc,
-    v_desc,
     s_qt,
     s_qh,
     s_ot,
@@ -291,8 +273,6 @@ def _prefill_kernel(
     sink,
     window,
     qk_scale,
-    r_k,
-    r_v,
     G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -305,8 +285,6 @@ def _prefill_kernel(
     HAS_XA: tl.constexpr,
     XA_BLOCK: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    FA_FIRST: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     i_p = tl.program_id(0)
@@ -333,14 +311,8 @@ def _prefill_kernel(
         i_row = i_b.to(tl.int64)
     # rank of this program inside its request's t_cap x Hkv programs
     i_l = i_p - (n_tiles - t_start - t_cap) * num_kv_heads
-    if FA_FIRST:
-        i_h, i_g, n_grp1 = long_first_head(head_modes + i_row * s_hm0, s_hm1, num_kv_heads, i_l, t_cap, i_b, 1,
-                                           BLOCK_H)  # fmt: skip
-        i_tl = t_cap - 1 - i_g // n_grp1  # tile index inside the request
-    else:
-        # tile-major: heaviest tile first, all KV heads of a tile adjacent
-        i_h = i_p % num_kv_heads
-        i_tl = i_t - t_start
+    i_h, i_g, n_grp = long_first_head(head_modes + i_row * s_hm0, s_hm1, num_kv_heads, i_l, t_cap, i_b, BLOCK_H)
+    i_tl = t_cap - 1 - i_g // n_grp  # tile index inside the request
     if i_tl * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens + i_b)
@@ -363,7 +335,6 @@ def _prefill_kernel(
     p_k = k_cache + i_h.to(tl.int64) * s_kh
     p_v = v_cache + i_h.to(tl.int64) * s_vh
     p_bt = block_table + i_b.to(tl.int64) * s_bt
-    tma_col = i_h * s_kh  # column of this head in the [rows, cols] descriptor view (USE_TMA)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -377,9 +348,9 @@ def _prefill_kernel(
         # serialize every wgmma of the kernel, warning C7515, in the sm_90 build.)
         is_xa = mode == 2
         acc, l_i, m_i = _window_loops(
-            acc, l_i, m_i, b_q, p_k, p_v, k_desc, v_desc, p_bt, q_pos, q_lo, tl.where(is_xa, -1, q_hi), seq_len,
-            eff_sink, eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, USE_TMA, DOT_PREC,
+            acc, l_i, m_i, b_q, p_k, p_v, p_bt, q_pos, q_lo, tl.where(is_xa, -1, q_hi), seq_len,
+            eff_sink, eff_window, s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
         )  # fmt: skip
         p_xi = xa_idx + i_b.to(tl.int64) * s_xi0 + i_h.to(tl.int64) * s_xi1
         p_xc = xa_cnt + i_b.to(tl.int64) * s_xc0 + i_h.to(tl.int64) * s_xc1
@@ -390,9 +361,9 @@ def _prefill_kernel(
         )  # fmt: skip
     else:
         acc, l_i, m_i = _window_loops(
-            acc, l_i, m_i, b_q, p_k, p_v, k_desc, v_desc, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink, eff_window,
-            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale, tma_col, r_k, r_v,
-            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, USE_TMA, DOT_PREC,
+            acc, l_i, m_i, b_q, p_k, p_v, p_bt, q_pos, q_lo, q_hi, seq_len, eff_sink, eff_window,
+            s_kb, s_kt, s_vb, s_vt, o_d, qk_scale,
+            BS, BLOCK_N, HEAD_DIM, BLOCK_D, TILE_IN_BLOCK, DOT_PREC,
         )  # fmt: skip
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     b_o = acc / l_i[:, None]
@@ -425,142 +396,6 @@ def _default_prefill_config(head_dim: int, group: int, dtype: torch.dtype, devic
     return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
-_TMA_FAILED: list[str] = []  # a TMA compile/launch failure seen in auto mode (then auto means off)
-
-
-def tma_unsupported(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: int) -> str | None:
-    """Why K/V tiles of ``block_n`` keys cannot be TMA (tensor-descriptor) loads, or None if they can.
-
-    The caches are seen as 2-D [rows, cols] views, row = block * (stride(0) / stride(1)) + token,
-    column = head * stride(2) + d, so one [block_n, D] box is one key tile of one head; that needs
-    the tile inside one physical block (block_size % block_n == 0) and 16-byte aligned rows.
-    """
-    nb, bs, _hkv, d = key_cache.shape
-    es = key_cache.element_size()
-    if bs % block_n:
-        return f"block_size {bs} is not a multiple of block_n {block_n}"
-    if d & (d - 1) or d < 16 or d > 256:
-        return f"head_dim {d} is not a power of two in [16, 256]"
-    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.stride(0) % c.stride(1) or (c.stride(1) * es) % 16 or c.data_ptr() % 16:
-            return f"{name}: strides {c.stride()} / address not 16-byte row aligned"
-        if ((nb - 1) * (c.stride(0) // c.stride(1)) + bs) >= 1 << 31:
-            return f"{name}: too many rows for a tensor descriptor"
-    if key_cache.stride(2) != value_cache.stride(2):
-        return "key_cache and value_cache head strides differ"
-    return None
-
-
-def _tma_descriptor(cache: torch.Tensor, block_n: int):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    nb, bs, hkv, d = cache.shape
-    rows = (nb - 1) * (cache.stride(0) // cache.stride(1)) + bs
-    cols = (hkv - 1) * cache.stride(2) + d
-    return TensorDescriptor(cache, [rows, cols], [cache.stride(1), 1], [block_n, d])
-
-
-def _tma_capable(device: torch.device) -> bool:
-    """Auto mode's TMA: off unless ELASTIC_PREFILL_TMA=1. Measured on the H200 (the tune section of four
-    kernels.py runs, bs 128, 128 x 128 tiles, 32K): pointer loads were faster dense in 3 of 4 runs
-    (16.5-17.1 vs 17.6-18.0 ms; the exception, 18.3 vs 18.2 ms, was the spilling build of
-    dev/kernels-4-h200-vector-map.json) and at SA 0.75 in all 4 (6.06-6.80 vs 6.64-7.71 ms)."""
-    if interpret() or os.environ.get("ELASTIC_PREFILL_TMA", "0") != "1" or _TMA_FAILED:
-        return False
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-WS_TILES = {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2}  # per consumer warp group
-
-
-def ws_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: int,
-                   has_xa: bool, out: torch.Tensor | None = None) -> str | None:  # fmt: skip
-    """Why the warp-specialized kernel (``prefill_ws``) cannot run these arguments, or None if it can:
-    16-bit, head_dim a power of two in [16, 256], no XA metadata, key tiles inside one cache block and
-    every TMA view 16-byte aligned (q with its heads contiguous: [T, Hq * D] rows)."""
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype}: the warp-specialized kernel is for float16 / bfloat16"
-    d = q.shape[-1]
-    if d & (d - 1) or d < 16 or d > 256:
-        return f"head_dim {d} is not a power of two in [16, 256]"
-    if has_xa:
-        return "XA block lists run in the pointer kernel (use_ws needs a launch without xa_block_idx)"
-    bs = key_cache.shape[1]
-    if bs % block_n:
-        return f"block_size {bs} is not a multiple of block_n {block_n} (a key tile must lie in one block)"
-    es = q.element_size()
-    if q.stride(1) != d or (q.stride(0) * es) % 16 or q.data_ptr() % 16:
-        return f"q: strides {tuple(q.stride())} / address: need heads contiguous and 16-byte aligned rows"
-    if out is not None and (out.stride(1) != d or (out.stride(0) * es) % 16 or out.data_ptr() % 16):
-        return f"out: strides {tuple(out.stride())} / address: need heads contiguous and 16-byte aligned rows"
-    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if (c.stride(0) * es) % 16 or (c.stride(1) * es) % 16 or c.data_ptr() % 16:
-            return f"{name}: strides {tuple(c.stride())} / address not 16-byte aligned"
-    return None
-
-
-def _ws_descriptor(cache: torch.Tensor, block_n: int):
-    """The cache as [num_blocks, block_size, cols], column = head * stride(2) + d, box [1, block_n, D]."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    nb, bs, hkv, d = cache.shape
-    cols = (hkv - 1) * cache.stride(2) + d
-    return TensorDescriptor(cache, [nb, bs, cols], [cache.stride(0), cache.stride(1), 1], [1, block_n, d])
-
-
-_SCRATCH: dict = {}
-
-
-def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need global scratch memory (128 bytes per descriptor per program), which
-    Triton asks its allocator for at launch. Unless the caller set one: a buffer per CUDA device (the current
-    one at launch, where Triton launches) that grows as needed and is reused (launches on one stream run in
-    order, so reuse is safe there)."""
-    from triton.runtime import _allocation
-
-    if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        return
-
-    def alloc(size: int, alignment: int, stream):
-        dev = torch.cuda.current_device()
-        buf = _SCRATCH.get(dev)
-        if buf is None or buf.numel() < size:
-            buf = _SCRATCH[dev] = torch.empty(max(size, 1 << 20), dtype=torch.int8, device=torch.device("cuda", dev))
-        return buf
-
-    triton.set_allocator(alloc)
-
-
-def _search_steps(num_reqs: int) -> int:
-    """Binary-search steps for the request lookup, rounded up to a multiple of 4 (few compiled variants)."""
-    need = max(num_reqs - 1, 0).bit_length()
-    return -(-need // 4) * 4
-
-
-def _launch_ws(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, head_modes, head_mode_slots,
-               sink, window, scale, block_m, block_n, num_warps, num_stages, program_order, ws=True):  # fmt: skip
-    """prefill_ws's launch, arguments checked by the caller. ws=False builds the same program without the
-    specialization (benchmarks/ws/prefill_cases.py compares the two)."""
-    T, hq, d = q.shape
-    hkv = key_cache.shape[2]
-    B = seq_lens.shape[0]
-    n_tiles = triton.cdiv(T, block_m) + B
-    if not interpret():
-        _ensure_allocator()  # the device-side Q and output descriptors
-    hm_slots = head_mode_slots if head_mode_slots is not None else seq_lens
-    _prefill_ws_kernel[(n_tiles * hq,)](
-        q, _ws_descriptor(key_cache, block_n), _ws_descriptor(value_cache, block_n), T, q.stride(0), out, block_table,
-        query_start_loc, seq_lens, head_modes, hm_slots, *out.stride()[:2], key_cache.stride(2),
-        value_cache.stride(2), block_table.stride(0), *head_modes.stride(), B, hkv, n_tiles, sink, window,
-        scale * 1.4426950408889634,
-        G=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BS=key_cache.shape[1], HEAD_DIM=d,
-        HAS_SLOTS=head_mode_slots is not None, FA_FIRST=program_order == "long_first",
-        BLOCK_H=max(next_pow2(hkv), 2), SEARCH_STEPS=_search_steps(B), WS=ws and not interpret(),
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    return out
-
-
 def prefill_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -582,9 +417,6 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    use_tma: bool | None = None,
-    program_order: str = "long_first",
-    use_ws: bool | None = None,
 ) -> torch.Tensor:
     """Hybrid FA/SSA/XA causal attention for a varlen batch over a paged KV cache (one launch).
 
@@ -604,27 +436,11 @@ def prefill_attention(
             produced by ``xattn_select``). Without them, XA heads run as FA.
         out: optional [T, Hq, D] output (written in place).
         block_m, block_n, num_warps, num_stages: tuning overrides.
-        use_tma: load the unmasked K/V tiles with TMA (tensor descriptors; Hopper+, block_size a
-            multiple of block_n, see ``tma_unsupported``). None: pointer loads (measured faster),
-            TMA where possible with ELASTIC_PREFILL_TMA=1; True: required (ValueError otherwise);
-            False: never.
-        use_ws: the warp-specialized kernel (``prefill_ws``: one query head per program, TMA loads, a
-            producer and two consumer warp groups on sm_90; FA/SSA heads only, see ``ws_unsupported``).
-            EXPERIMENTAL, opt-in only: True runs it (sm_90, or the interpreter; ValueError naming the
-            reason otherwise); None / False: the pointer kernel. Correct on the H200 but 0.80-0.88x the
-            pointer kernel's speed (benchmarks/results/dev/ws-prefill-bench-2-h200.json), so never chosen.
-            block_m / block_n / num_warps / num_stages override its tiles (default ``WS_TILES``).
-        program_order: "long_first" (default): inside each request the FA/XA programs of every
-            query tile run before the SSA programs (heaviest tile first in both groups), so the
-            long programs start in waves that read K/V in step; "tile_major": heaviest tile first
-            with all KV heads of a tile adjacent (the first version; kept for the benchmark).
 
     Returns:
         out [T, Hq, D] in q's dtype. No host synchronisation.
     """
     check_tensor(q, "q", dim=3, dtypes=(torch.float16, torch.bfloat16, torch.float32), last_contiguous=True)
-    if program_order not in ("long_first", "tile_major"):
-        raise ValueError(f"program_order: expected 'long_first' or 'tile_major', got {program_order!r}")
     dev = q.device
     _nb, bs, hkv, d = check_cache_pair(key_cache, value_cache)
     if key_cache.dtype != q.dtype:
@@ -671,20 +487,6 @@ def prefill_attention(
 
     g = hq // hkv
     scale = d**-0.5 if scale is None else scale
-    ws_bn = block_n or WS_TILES["block_n"]
-    if use_ws:
-        why = ws_unsupported(q, key_cache, value_cache, ws_bn, has_xa, out)
-        if why is None and not interpret() and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9):
-            why = "the warp-specialized kernel is built for sm_90 (Hopper) GPUs"
-        if why:
-            raise ValueError(f"use_ws: {why}")
-        # the interpreter runs the kernel's program logic (without the specialization)
-        bm = block_m or WS_TILES["block_m"]
-        if bm < 16 or bm & (bm - 1) or ws_bn < 16 or ws_bn & (ws_bn - 1):
-            raise ValueError(f"block_m/block_n: powers of two >= 16 required, got {bm}/{ws_bn}")
-        return _launch_ws(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, head_modes,
-                          head_mode_slots, sink, window, scale, bm, ws_bn, num_warps or WS_TILES["num_warps"],
-                          num_stages or WS_TILES["num_stages"], program_order)  # fmt: skip
     cfg = default_prefill_config(d, g, q.dtype, dev)
     bm = block_m or cfg["block_m"]
     bn = block_n or cfg["block_n"]
@@ -705,34 +507,19 @@ def prefill_attention(
     xc = xa_block_cnt if has_xa else block_table
     xis = xa_block_idx.stride()[:3] if has_xa else (0, 0, 0)
     xcs = xa_block_cnt.stride()[:2] if has_xa else (0, 0)
-    if use_tma:
-        why = tma_unsupported(key_cache, value_cache, bn)
-        if why:
-            raise ValueError(f"use_tma: {why}")
-    auto_tma = use_tma is None and _tma_capable(dev) and tma_unsupported(key_cache, value_cache, bn) is None
-    tma = bool(use_tma) or auto_tma
     ks, vs = key_cache.stride(), value_cache.stride()
     args = (
         q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, head_modes, hm_slots, xi, xc,
-        _tma_descriptor(key_cache, bn) if tma else key_cache, _tma_descriptor(value_cache, bn) if tma else value_cache,
         *q.stride()[:2], *out.stride()[:2], *ks[:3], *vs[:3], block_table.stride(0), *head_modes.stride(),
         xis[0], xis[1], xis[2], xcs[0], xcs[1],
-        B, hkv, n_tiles, sink, window, scale * 1.4426950408889634, ks[0] // ks[1], vs[0] // vs[1],
+        B, hkv, n_tiles, sink, window, scale * 1.4426950408889634,
     )  # fmt: skip
     meta = dict(
         G=g, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=max(next_pow2(d), 16),
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, HAS_XA=has_xa,
         XA_BLOCK=xattn_block, DOT_PREC=dot_precision(q.dtype),
-        FA_FIRST=program_order == "long_first", BLOCK_H=max(next_pow2(hkv), 2),
+        BLOCK_H=max(next_pow2(hkv), 2),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
-    if not auto_tma:
-        _prefill_kernel[grid](*args, USE_TMA=tma, **meta)
-        return out
-    try:
-        _prefill_kernel[grid](*args, USE_TMA=True, **meta)
-    except Exception as e:  # auto mode: a Triton without working TMA falls back to pointer loads, once
-        _TMA_FAILED.append(repr(e)[:300])
-        warnings.warn(f"prefill_attention: TMA variant failed ({e!r:.200}); using pointer loads", stacklevel=2)
-        _prefill_kernel[grid](*args[:11], key_cache, value_cache, *args[13:], USE_TMA=False, **meta)
+    _prefill_kernel[grid](*args, **meta)
     return out

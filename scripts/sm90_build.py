@@ -6,8 +6,8 @@
 
 A fake active driver reports an sm_90 target; the launchers run with CPU tensors and ``warmup=True`` (compile,
 no launch). From each cubin, with the cuobjdump that Triton ships: registers, stack bytes (spills live there)
-and the global loads by width (LDG.E = 4 bytes, LDG.E.128 = 16 bytes). Rows: the prefill kernel in both
-program orders at block size 16 and 128 (Llama-3.1-8B attention shape); the two router kernels with
+and the global loads by width (LDG.E = 4 bytes, LDG.E.128 = 16 bytes). Rows: the prefill kernel at block
+size 16 and 128 and the tune candidate with 64 x 64 tiles (Llama-3.1-8B attention shape); the two router kernels with
 packed weight rows padded (``pack_router_weights``) and unpadded (``router_param_count`` floats), with the
 order of their loads and barriers (``schedule``); the decode split and merge kernels.
 """
@@ -111,29 +111,28 @@ def prefill_rows() -> list[dict]:
     rows = []
     S, hq, hkv, d = 4096, 32, 8, 128
     for bs in (16, 128):
-        for order in ("tile_major", "long_first"):
-            nb = S // bs + 1
-            kv = torch.empty(nb, 2, bs, hkv, d, dtype=torch.bfloat16)
-            P.prefill_attention(
-                torch.empty(S, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(1, nb, dtype=torch.int32),
-                torch.tensor([0, S], dtype=torch.int32), torch.tensor([S], dtype=torch.int32),
-                torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048, program_order=order, use_tma=False,
-                block_m=128, block_n=128, num_warps=8, num_stages=3,
-            )  # fmt: skip
-            rows.append({"kernel": "_prefill_kernel", "block_size": bs, "program_order": order, "tiles": "128x128",
-                         "num_warps": 8, "shared_bytes": got["_prefill_kernel"].metadata.shared,
-                         **_resources(got["_prefill_kernel"])})  # fmt: skip
+        nb = S // bs + 1
+        kv = torch.empty(nb, 2, bs, hkv, d, dtype=torch.bfloat16)
+        P.prefill_attention(
+            torch.empty(S, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(1, nb, dtype=torch.int32),
+            torch.tensor([0, S], dtype=torch.int32), torch.tensor([S], dtype=torch.int32),
+            torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048,
+            block_m=128, block_n=128, num_warps=8, num_stages=3,
+        )  # fmt: skip
+        rows.append({"kernel": "_prefill_kernel", "block_size": bs, "tiles": "128x128",
+                     "num_warps": 8, "shared_bytes": got["_prefill_kernel"].metadata.shared,
+                     **_resources(got["_prefill_kernel"])})  # fmt: skip
     # the tune candidate with two programs per SM (benchmarks/kernels.py TUNE_CANDIDATES): 64 x 64 tiles, 4 warps
     nb = S // 128 + 1
     kv = torch.empty(nb, 2, 128, hkv, d, dtype=torch.bfloat16)
     P.prefill_attention(
         torch.empty(S, hq, d, dtype=torch.bfloat16), kv[:, 0], kv[:, 1], torch.zeros(1, nb, dtype=torch.int32),
         torch.tensor([0, S], dtype=torch.int32), torch.tensor([S], dtype=torch.int32),
-        torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048, use_tma=False,
+        torch.zeros(1, hkv, dtype=torch.int8), sink=128, window=2048,
         block_m=64, block_n=64, num_warps=4, num_stages=3,
     )  # fmt: skip
     k = got["_prefill_kernel"]
-    rows.append({"kernel": "_prefill_kernel", "block_size": 128, "program_order": "long_first", "tiles": "64x64",
+    rows.append({"kernel": "_prefill_kernel", "block_size": 128, "tiles": "64x64",
                  "num_warps": 4, "shared_bytes": k.metadata.shared, **_resources(k)})  # fmt: skip
     return rows
 

@@ -381,20 +381,9 @@ def main() -> int:
             prefill_case([sz(4096), sz(2500)], [sz(4096), sz(700)], 32, 8, 128, 128, bf, 128, sz(1024), 0.5),
         ),
         (
-            "prefill WS varlen+chunked bf16 d128 mixed bs128, NaN past seq_len",
+            "prefill varlen+chunked bf16 d128 mixed bs128, NaN past seq_len",
             prefill_case(
-                [3000, 1023, 5000, 17, 1],
-                [3000, 1023, 1200, 1, 1],
-                32,
-                8,
-                128,
-                128,
-                bf,
-                128,
-                512,
-                0.5,
-                use_ws=True,
-                poison=True,
+                [3000, 1023, 5000, 17, 1], [3000, 1023, 1200, 1, 1], 32, 8, 128, 128, bf, 128, 512, 0.5, poison=True
             )
             if not ARGS.cpu_dry
             else prefill_case(
@@ -408,45 +397,9 @@ def main() -> int:
                 4,
                 9,
                 0.5,
-                use_ws=True,
                 poison=True,
                 block_m=16,
                 block_n=16,
-            ),
-        ),
-        (
-            "prefill WS 32K bf16 d128 75% SSA bs128",
-            prefill_case(
-                [S32],
-                [S32],
-                32,
-                8,
-                128,
-                128,
-                bf,
-                128,
-                W,
-                0.75,
-                use_ws=True,
-                **({"block_m": 16, "block_n": 16} if ARGS.cpu_dry else {}),
-            ),
-        ),
-        (
-            "prefill WS 4K bf16 d64 GQA8 bs128 tile-major",
-            prefill_case(
-                [sz(4096)],
-                [sz(4096)],
-                16,
-                2,
-                64,
-                128,
-                bf,
-                64,
-                sz(1024),
-                0.75,
-                use_ws=True,
-                program_order="tile_major",
-                **({"block_m": 16, "block_n": 16} if ARGS.cpu_dry else {}),
             ),
         ),
         (
@@ -455,20 +408,12 @@ def main() -> int:
         ),
         ("prefill 32K dense vs SDPA flash", prefill_vs_sdpa(S32, 128, 16)),
         (
-            "prefill varlen+chunked bf16 d128 bs128 TMA forced",
-            prefill_case(
-                [S8, sz(3000), sz(700)], [S8, sz(1000), sz(700)], 32, 8, 128, 128, bf, 128, W, 0.75, use_tma=True
-            ),
+            "prefill varlen+chunked bf16 d128 bs128",
+            prefill_case([S8, sz(3000), sz(700)], [S8, sz(1000), sz(700)], 32, 8, 128, 128, bf, 128, W, 0.75),
         ),
         (
-            "prefill varlen+chunked bf16 d128 bs128 pointer loads",
-            prefill_case(
-                [S8, sz(3000), sz(700)], [S8, sz(1000), sz(700)], 32, 8, 128, 128, bf, 128, W, 0.75, use_tma=False
-            ),
-        ),
-        (
-            "prefill 8K bf16 d128 bs64 block_n 64 TMA forced",
-            prefill_case([S8], [S8], 32, 8, 128, 64, bf, 128, W, 0.5, block_n=64, use_tma=True),
+            "prefill 8K bf16 d128 bs64 block_n 64",
+            prefill_case([S8], [S8], 32, 8, 128, 64, bf, 128, W, 0.5, block_n=64),
         ),
         (
             "prefill 8K bf16 d64 GQA4 bs128 default config",

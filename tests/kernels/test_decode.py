@@ -101,11 +101,9 @@ def test_decode_balanced_splits_under_a_loose_bound():
         assert_close(out, want, f"num_splits={ns}")
 
 
-@pytest.mark.parametrize("heavy_first", [True, False])
-def test_decode_heavy_first_order(heavy_first):
-    """The heavy-first launch order is a permutation of the (request, head) pairs: with mixed FA / XA /
-    SSA heads, a padded row (seq_len 0), a slot table and many splits, either order gives the
-    reference (a pair run twice or never leaves NaN-poisoned or wrong rows)."""
+def test_decode_mixed_modes_padded_row_slots_and_splits():
+    """Mixed FA / XA / SSA heads, a padded row (seq_len 0), a slot table and many splits: every (request, head)
+    pair is run exactly once (a pair run twice or never leaves NaN-poisoned or wrong rows)."""
     gen = torch.Generator().manual_seed(21)
     batch = make_paged_batch([300, 40, 1, 190, 77], [1] * 5, 8, 4, 16, block_size=16, generator=gen)
     hm = random_modes(5, 4, (FA, SSA, SSA, XA), gen)
@@ -117,24 +115,11 @@ def test_decode_heavy_first_order(heavy_first):
     out = nan_like(batch.q)
     decode_attention(
         batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, table[:, 1], sink=4,
-        window=30, max_seq_len=512, out=out, head_mode_slots=slots, num_splits=6, block_n=16, heavy_first=heavy_first,
+        window=30, max_seq_len=512, out=out, head_mode_slots=slots, num_splits=6, block_n=16,
     )  # fmt: skip
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     keep = [0, 1, 3, 4]
-    assert_close(out[keep], want[keep], f"heavy_first={heavy_first}")
-
-
-def test_decode_heavy_first_bound():
-    from elastic_vllm.csrc.decode import HEAVY_FIRST_MAX_PAIRS
-
-    n = HEAVY_FIRST_MAX_PAIRS // 2 + 1
-    batch = make_paged_batch([3] * n, [1] * n, 2, 2, 16, block_size=16)
-    hm = torch.zeros(n, 2, dtype=torch.int8)
-    with pytest.raises(ValueError, match="heavy_first"):
-        decode_attention(
-            batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, hm, sink=1, window=2,
-            max_seq_len=16, heavy_first=True,
-        )  # fmt: skip
+    assert_close(out[keep], want[keep], "mixed-modes")
 
 
 def test_decode_num_splits_fills_the_gpu():

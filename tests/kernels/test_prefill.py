@@ -74,18 +74,19 @@ def test_prefill_matches_reference(name):
     [(32, 32, False), (64, 32, True), (64, 64, False)],
     ids=["bs32-bn32", "bs64-bn32-strided", "bs64-bn64"],
 )
-def test_prefill_tma_descriptor_path(bs, block_n, strided):
-    """Unmasked tiles through 2-D tensor descriptors (row = block * stride0/stride1 + token)."""
+def test_prefill_tiles_inside_blocks(bs, block_n, strided):
+    """Key tiles inside one cache block (one block-table read per tile, affine addresses), at offsets inside the
+    block and through views of a [num_blocks, 2, block_size, H, D] cache."""
     gen = torch.Generator().manual_seed(17)
     batch = make_paged_batch([300, 90, 33, 1], [300, 33, 33, 1], 8, 2, 32, block_size=bs, generator=gen)
     hm = torch.tensor([[FA, SSA], [SSA, FA], [FA, FA], [SSA, FA]], dtype=torch.int8)
     if strided:
         batch.key_cache, batch.value_cache = strided_caches(batch)
-    out = run(batch, hm, 4, 40, block_m=32, block_n=block_n, use_tma=True)
-    assert_close(out, ref(batch, hm, 4, 40), "tma")
+    out = run(batch, hm, 4, 40, block_m=32, block_n=block_n)
+    assert_close(out, ref(batch, hm, 4, 40), "tiles-in-blocks")
 
 
-def test_prefill_tma_with_xa_heads():
+def test_prefill_xa_heads_tiles_inside_blocks():
     gen = torch.Generator().manual_seed(19)
     seqs, qls, blk = [200, 130], [200, 50], 32
     batch = make_paged_batch(seqs, qls, 4, 2, 16, block_size=32, generator=gen)
@@ -94,16 +95,8 @@ def test_prefill_tma_with_xa_heads():
     mq = max(-(-q // blk) + 1 for q in qls)
     mk = max(-(-s // blk) for s in seqs)
     idx, cnt = block_masks_to_lists(masks, seqs, qls, blk, mq, mk, 2)
-    out = run(batch, hm, 4, 20, xa_block_idx=idx, xa_block_cnt=cnt, xattn_block=blk, block_m=32, block_n=32,
-              use_tma=True)  # fmt: skip
-    assert_close(out, ref(batch, hm, 4, 20, masks, blk), "tma+xa")
-
-
-def test_prefill_tma_unsupported_layout_is_an_error():
-    batch = make_paged_batch([40], [40], 4, 2, 16, block_size=16)
-    hm = torch.zeros(1, 2, dtype=torch.int8)
-    with pytest.raises(ValueError, match="use_tma: block_size 16 is not a multiple of block_n 32"):
-        run(batch, hm, 2, 5, block_m=32, block_n=32, use_tma=True)
+    out = run(batch, hm, 4, 20, xa_block_idx=idx, xa_block_cnt=cnt, xattn_block=blk, block_m=32, block_n=32)
+    assert_close(out, ref(batch, hm, 4, 20, masks, blk), "xa-tiles-in-blocks")
 
 
 def test_prefill_long_ragged_1023():
@@ -207,10 +200,9 @@ def test_prefill_launcher_errors_name_the_argument():
         prefill_attention(*args[:3], args[3].float(), *args[4:], hm, sink=1, window=2)
 
 
-@pytest.mark.parametrize("order", ["long_first", "tile_major"])
-def test_prefill_program_orders_with_many_heads(order):
+def test_prefill_program_order_with_many_heads():
     """Five KV heads whose long (FA/XA) and SSA heads differ per request, some request with none of
-    one kind, through the slot table: each order must map every (tile, head) to exactly one
+    one kind, through the slot table: the long-first order must map every (tile, head) to exactly one
     program (NaN-poisoned output) and give the reference's result."""
     gen = torch.Generator().manual_seed(23)
     seqs, qls = [150, 90, 61, 40], [150, 45, 61, 1]
@@ -225,19 +217,13 @@ def test_prefill_program_orders_with_many_heads(order):
     out = nan_like(batch.q)
     prefill_attention(
         batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
-        table[:, 1], sink=4, window=24, out=out, head_mode_slots=slots, block_m=32, block_n=16, program_order=order,
+        table[:, 1], sink=4, window=24, out=out, head_mode_slots=slots, block_m=32, block_n=16,
     )  # fmt: skip
     hm_ref = torch.where(hm == XA, FA, hm)  # no XA metadata: XA runs as FA
-    assert_close(out, ref(batch, hm_ref, 4, 24), order)
+    assert_close(out, ref(batch, hm_ref, 4, 24), "long-first")
 
 
-def test_prefill_program_order_is_validated():
-    batch = make_paged_batch([20], [20], 4, 2, 16, block_size=16)
-    with pytest.raises(ValueError, match="program_order: expected 'long_first' or 'tile_major', got 'fa_last'"):
-        run(batch, torch.zeros(1, 2, dtype=torch.int8), 1, 2, program_order="fa_last")
-
-
-# ------------------------------------------------------------------------------------------ use_ws
+# ------------------------------------------------------------------------------------------ cache contents
 def poison_unheld(batch: object, seqs: list[int]) -> None:
     """NaN in every cache slot no request holds (past each seq_len, spare blocks): reading one, even times a
     zero probability, makes the output NaN."""
@@ -250,7 +236,7 @@ def poison_unheld(batch: object, seqs: list[int]) -> None:
     batch.value_cache[~held] = float("nan")
 
 
-WS_CASES = {
+NAN_CASES = {
     # name: (seq_lens, query_lens, Hq, Hkv, D, block_size, sink, window, tiles (block_m, block_n))
     "varlen_chunked_empty_decode_rows": ([70, 90, 200, 5, 33], [20, 90, 77, 0, 1], 4, 2, 32, 32, 4, 25, (16, 32)),
     "tile_crosses_seq_len_mid_block": ([75, 41], [75, 41], 2, 1, 16, 64, 3, 20, (32, 32)),
@@ -259,22 +245,20 @@ WS_CASES = {
 }
 
 
-@pytest.mark.parametrize("order", ["long_first", "tile_major"])
-@pytest.mark.parametrize("name", list(WS_CASES))
-def test_prefill_ws_matches_reference_with_nan_past_seq_len(name, order):
-    """The warp-specialized kernel (csrc/prefill_ws.py; under the interpreter the same program without the
-    specialization): every visible tile through one masked loop, the tile crossing seq_len loaded shifted
-    back. NaN in every unheld cache slot and in the output: a read past seq_len or a missed row fails."""
-    seqs, qls, hq, hkv, d, bs, sink, window, (bm, bn) = WS_CASES[name]
+@pytest.mark.parametrize("name", list(NAN_CASES))
+def test_prefill_matches_reference_with_nan_past_seq_len(name):
+    """NaN in every unheld cache slot and in the output: a key or value read past seq_len (masked tiles load
+    zeros there) or a missed row fails."""
+    seqs, qls, hq, hkv, d, bs, sink, window, (bm, bn) = NAN_CASES[name]
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     batch = make_paged_batch(seqs, qls, hq, hkv, d, block_size=bs, dtype=torch.float16, generator=gen)
     poison_unheld(batch, seqs)
     hm = random_modes(len(seqs), hkv, (FA, SSA), gen)
-    out = run(batch, hm, sink, window, use_ws=True, block_m=bm, block_n=bn, program_order=order)
-    assert_close(out, ref(batch, hm, sink, window), f"{name}/{order}")
+    out = run(batch, hm, sink, window, block_m=bm, block_n=bn)
+    assert_close(out, ref(batch, hm, sink, window), name)
 
 
-def test_prefill_ws_vllm_layout_slots_and_xa_as_fa():
+def test_prefill_vllm_layout_slots_and_xa_as_fa():
     """vLLM's cache layout for this backend ([blocks, bs, Hkv, 2D], K and V interleaved per head), the
     persistent slot table, q as a view of a wider qkv row, and XA heads without metadata (run as FA)."""
     gen = torch.Generator().manual_seed(29)
@@ -293,55 +277,6 @@ def test_prefill_ws_vllm_layout_slots_and_xa_as_fa():
     out = nan_like(batch.q)
     prefill_attention(
         q, kc, vc, batch.block_table, batch.query_start_loc, batch.seq_lens, table[:, 1], sink=4, window=20,
-        out=out, head_mode_slots=slots, use_ws=True, block_m=16, block_n=32,
+        out=out, head_mode_slots=slots, block_m=16, block_n=32,
     )  # fmt: skip
-    assert_close(out, ref(batch, torch.where(hm == XA, FA, hm), 4, 20), "ws-vllm-layout")
-
-
-def test_prefill_ws_no_host_sync_and_search_steps():
-    from elastic_vllm.csrc.prefill import _search_steps
-
-    assert [_search_steps(b) for b in (0, 1, 2, 16, 17, 256, 257)] == [0, 0, 4, 4, 8, 8, 12]
-    gen = torch.Generator().manual_seed(31)
-    seqs = [20, 33, 7, 50, 16, 9, 40, 12, 5, 30, 18, 21, 3, 8, 60, 11, 25]  # 17 requests: 8 search steps
-    batch = make_paged_batch(seqs, seqs, 4, 2, 16, block_size=16, dtype=torch.float16, generator=gen)
-    hm = random_modes(len(seqs), 2, (FA, SSA), gen)
-    out = nan_like(batch.q)
-    with no_host_sync():
-        prefill_attention(
-            batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc,
-            batch.seq_lens, hm, sink=2, window=9, out=out, use_ws=True, block_m=16, block_n=16,
-        )  # fmt: skip
-    assert_close(out, ref(batch, hm, 2, 9), "ws-17-requests")
-
-
-def test_prefill_ws_unsupported_arguments_are_errors():
-    batch = make_paged_batch([40], [40], 4, 2, 16, block_size=16, dtype=torch.float16)
-    hm = torch.zeros(1, 2, dtype=torch.int8)
-    with pytest.raises(ValueError, match="use_ws: block_size 16 is not a multiple of block_n 32"):
-        run(batch, hm, 2, 5, use_ws=True, block_m=16, block_n=32)
-    with pytest.raises(ValueError, match="use_ws: XA block lists run in the pointer kernel"):
-        idx = torch.zeros(1, 2, 2, 2, dtype=torch.int32)
-        run(batch, hm, 2, 5, use_ws=True, block_m=16, block_n=16, xa_block_idx=idx,
-            xa_block_cnt=torch.zeros(1, 2, 2, dtype=torch.int32), xattn_block=16)  # fmt: skip
-    b32 = make_paged_batch([40], [40], 4, 2, 16, block_size=16)
-    with pytest.raises(ValueError, match=r"use_ws: dtype torch\.float32"):
-        run(b32, hm, 2, 5, use_ws=True, block_m=16, block_n=16)
-    with pytest.raises(ValueError, match="use_ws: head_dim 24"):
-        run(make_paged_batch([9], [9], 2, 1, 24, block_size=16, dtype=torch.float16), hm[:, :1], 2, 5, use_ws=True,
-            block_m=16, block_n=16)  # fmt: skip
-    q = batch.q.transpose(0, 1).contiguous().transpose(0, 1)  # heads not contiguous
-    with pytest.raises(ValueError, match="use_ws: q: strides"):
-        prefill_attention(q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc,
-                          batch.seq_lens, hm, sink=2, window=5, use_ws=True, block_m=16, block_n=16)  # fmt: skip
-
-
-def test_prefill_ws_is_refused_off_hopper(monkeypatch):
-    """Outside the interpreter the WS kernel needs an sm_90 GPU: anything else is an error naming that, never a
-    silent run of another kernel."""
-    from elastic_vllm.csrc import prefill as P
-
-    monkeypatch.setattr(P, "interpret", lambda: False)
-    batch = make_paged_batch([40], [40], 4, 2, 16, block_size=16, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"use_ws: the warp-specialized kernel is built for sm_90 \(Hopper\) GPUs"):
-        run(batch, torch.zeros(1, 2, dtype=torch.int8), 2, 5, use_ws=True, block_m=16, block_n=16)
+    assert_close(out, ref(batch, torch.where(hm == XA, FA, hm), 4, 20), "vllm-layout")
