@@ -280,7 +280,7 @@ def explain(e: BaseException, cmd: str | None = None) -> tuple[str, str]:
     debug_fix = f"rerun with --debug (or {DEBUG_ENV}=1) for the traceback"
     if isinstance(e, CLIError):
         return e.what, e.fix
-    config_fix = "correct the field named above; every field with its type and default: README.md, 'Configuration'"
+    config_fix = "correct the field named above; every field with its type and default: docs/configuration.md"
     if isinstance(e, ConfigError):
         return msg, config_fix
     if isinstance(e, ValidationError):
