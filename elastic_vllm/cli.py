@@ -283,7 +283,7 @@ def explain(e: BaseException, cmd: str | None = None) -> tuple[str, str]:
         from elastic_vllm.telemetry.serve import fix_for
 
         return e.cause, f"{fix_for(e.cause)}; the full server log is {e.log_path}"
-    config_fix = "correct the field named above; every field with its type and default: README.md, 'Configuration'"
+    config_fix = "correct the field named above; every field with its type and default: docs/configuration.md"
     if isinstance(e, ConfigError):
         return msg, config_fix
     if isinstance(e, ValidationError):

