@@ -10,5 +10,5 @@ and a plain-PyTorch reference in ``elastic_vllm.reference``:
 - ``elastic_vllm.csrc.xattn_select.xattn_select``: XAttention block selection (prefill metadata)
 
 Importing this package imports nothing else and compiles nothing. Variants tried and rejected, with their
-numbers: csrc/README.md; design notes and rooflines: csrc/NOTES.md.
+numbers: csrc/README.md.
 """

@@ -204,7 +204,7 @@ def default_decode_config(head_dim: int) -> dict:
     if interpret():
         return {"block_n": 32, "num_warps": 4, "num_stages": 1}
     # 128-key tiles, 2 stages: on the H200 from a CUDA graph, 2-8% faster than the former 64 keys / 3 stages at
-    # every decode shape swept, sparse and dense (kernels.py section ``decode config``, dev/kernels-14:
+    # every decode shape swept, sparse and dense (kernels.py section ``decode config``, results/experiments/kernels-14-h200-decode-config-d76fe67.json:
     # 32K x 16 sparse 0.1777 -> 0.1740 ms, 128K x 4 sparse 0.1548 -> 0.1450, dense 0.526 -> 0.503)
     return {"block_n": 128, "num_warps": 4, "num_stages": 2}
 

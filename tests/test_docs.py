@@ -176,10 +176,10 @@ def test_every_metric_is_documented():
     found = re.findall(r'(Counter|Histogram|Gauge|Summary)\(\s*"(elastic:[\w:]+)"', src)
     assert len(found) >= 5
     names = [n + "_total" if kind == "Counter" else n for kind, n in found]
-    observe = (ROOT / "elastic_vllm" / "vllm_plugin" / "observe.py").read_text()
-    step = re.findall(r'^\s*\("(\w+)", "[^"]*"\),$', observe, re.M)  # publish_counters' per-step counters
-    assert "forward_calls" in step
-    names += [f"elastic:{'attention_forward_calls' if n == 'forward_calls' else n}_total" for n in step]
+    from elastic_vllm.vllm_plugin.observe import STEP_METRICS  # the per-step counters
+
+    assert "forward_calls" in STEP_METRICS
+    names += [f"{metric}_total" for metric, _ in STEP_METRICS.values()]
     text = docs_text()
     missing = [n for n in names if f"`{n}`" not in text]
     assert not missing, f"metrics missing from README.md and docs/: {missing}"

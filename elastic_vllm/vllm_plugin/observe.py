@@ -132,25 +132,34 @@ def clear() -> None:
         _events.clear()
 
 
+# Counters published every step: COUNTERS field -> (Prometheus name, without the _total suffix; help text)
+STEP_METRICS = {
+    "forward_calls": ("elastic:attention_forward_calls", "Elastic attention forward calls (one per layer and step)."),
+    "routed_rows": (
+        "elastic:routed_rows",
+        "Request rows the elastic router ran for (final and prefix-chunk routings).",
+    ),
+    "dense_steps": ("elastic:dense_steps", "Steps whose every head was full attention, run by vLLM's FlashAttention."),
+    "nonfinite_router_heads": (
+        "elastic:router_nonfinite_heads",
+        "KV-head decisions whose router logits were NaN / inf (run as FA).",
+    ),
+}
+
+
 def publish_counters() -> None:
     """Push the counter deltas since the last call to Prometheus (once per step)."""
     try:
         from prometheus_client import Counter
     except ImportError:  # pragma: no cover - a declared dependency
         return
-    for name, doc in (
-        ("forward_calls", "Elastic attention forward calls (one per layer and step)."),
-        ("routed_rows", "Request rows the elastic router ran for (final and prefix-chunk routings)."),
-        ("dense_steps", "Steps whose every head was full attention, run by vLLM's FlashAttention kernel."),
-        ("nonfinite_router_heads", "KV-head decisions whose router logits were NaN / inf (run as FA)."),
-    ):
+    for name, (metric_name, doc) in STEP_METRICS.items():
         value = getattr(COUNTERS, name)
         delta = value - COUNTERS._published.get(name, 0)
         if delta <= 0:
             continue
         metric = _prom.get(name)
         if metric is None:
-            metric_name = {"forward_calls": "elastic:attention_forward_calls"}.get(name, f"elastic:{name}")
             metric = _prom[name] = Counter(metric_name, doc)
         metric.inc(delta)  # type: ignore[attr-defined]
         COUNTERS._published[name] = value
