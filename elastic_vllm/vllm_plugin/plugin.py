@@ -34,11 +34,34 @@ def register() -> None:
         return
     from elastic_vllm.vllm_plugin import compat
 
+    _share_vllm_logging()
     if compat.register_custom_backend(BACKEND_PATH, ALIAS):
         compat.route_cpu_platform_custom_backend(BACKEND_PATH)
         compat.install_request_validator(_validate, _cache_salt, BACKEND_PATH)
         compat.install_startup_check(_startup_check, BACKEND_PATH)
     _registered = True
+
+
+class _ToVllmHandlers(logging.Handler):
+    """Hands each record to the handlers of vLLM's "vllm" logger as they are when it is emitted (vLLM configures
+    them after plugins load in some processes), so the plugin's lines carry vLLM's format, stream and level."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for h in logging.getLogger("vllm").handlers:
+            if record.levelno >= h.level:
+                h.handle(record)
+
+
+def _share_vllm_logging() -> None:
+    """vLLM configures only its own "vllm" logger, so without this the plugin's INFO lines (the router taken, the
+    kernel warm-up and what runs all-FA steps) never reached a server's log. Records still propagate to the root
+    logger's handlers (pytest's, an application's)."""
+    ours = logging.getLogger("elastic_vllm")
+    if any(isinstance(h, _ToVllmHandlers) for h in ours.handlers):
+        return
+    ours.addHandler(_ToVllmHandlers())
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
 
 
 def _startup_check(vllm_config, http: bool) -> None:
