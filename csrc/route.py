@@ -339,7 +339,7 @@ def packed_row_len(head_dim: int, hidden: int) -> int:
     Why: with 263,682 floats per row at d 128 every other layer's row started 8 bytes off a 16-byte boundary,
     and the sm_90 build of both router kernels loaded every weight with 4-byte loads (75 of 91 loads of the
     Task-MLP kernel were LDG.E); a 16-float row stride lets Triton prove 16-byte alignment (LDG.E.128).
-    ``scripts/sm90_build.py`` -> benchmarks/results/experiments/sm90-build.json has both builds."""
+    ``tools/sm90_build.py`` -> benchmarks/results/experiments/sm90-build.json has both builds."""
     n = router_param_count(head_dim, hidden)
     return -(-n // ROW_ALIGN) * ROW_ALIGN
 

@@ -1,4 +1,4 @@
-"""The kernel A/B of one device call (scripts/ab_prep.sh + scripts/gpu_session.sh ab), run here as a plumbing
+"""The kernel A/B of one device call (tools/ab_prep.sh + tools/gpu_session.sh ab), run here as a plumbing
 check under the Triton interpreter: each side times its own csrc/, and the result files say which (the
 sources' hash and the commit)."""
 
@@ -28,14 +28,14 @@ def git(*a: str) -> str:
 
 def test_ab_prep_exports_the_csrc_of_a_commit(tmp_path):
     dest = tmp_path / "ab"
-    r = subprocess.run(["bash", "scripts/ab_prep.sh", "HEAD", str(dest)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(["bash", "tools/ab_prep.sh", "HEAD", str(dest)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (dest / "REF").read_text().strip() == git("rev-parse", "--short", "HEAD")
     files = sorted(p.name for p in (dest / "csrc").iterdir())
     assert files == sorted(git("ls-tree", "--name-only", "HEAD", "csrc/").replace("csrc/", "").split())
     assert (dest / "csrc" / "prefill.py").read_text() == git("show", "HEAD:csrc/prefill.py") + "\n"
     bad = subprocess.run(
-        ["bash", "scripts/ab_prep.sh", "no-such-ref", str(dest)], cwd=ROOT, capture_output=True, text=True
+        ["bash", "tools/ab_prep.sh", "no-such-ref", str(dest)], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode != 0
 
@@ -43,12 +43,12 @@ def test_ab_prep_exports_the_csrc_of_a_commit(tmp_path):
 @pytest.mark.slow
 def test_ab_step_times_each_side_with_its_own_kernels(tmp_path):
     ab, out = tmp_path / "ab", tmp_path / "out"
-    subprocess.run(["bash", "scripts/ab_prep.sh", "HEAD", str(ab)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(["bash", "tools/ab_prep.sh", "HEAD", str(ab)], cwd=ROOT, check=True, capture_output=True)
     with open(ab / "csrc" / "prefill.py", "a") as f:  # the "other commit": same kernels, different sources
         f.write("\n# ab side marker\n")
     env = {**os.environ, "AB_DIR": str(ab), "OUT": str(out), "GIT_COMMIT": "tree0000", "KERNELS_ARGS": "--cpu-dry --quick",
            "SECTIONS": "prefill S=32768 d=128", "BUDGET": "600"}  # fmt: skip
-    r = subprocess.run(["bash", "scripts/gpu_session.sh", "ab"], cwd=ROOT, env=env, capture_output=True, text=True,
+    r = subprocess.run(["bash", "tools/gpu_session.sh", "ab"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     tree, ref = (json.loads((out / f"kernels-{s}.json").read_text()) for s in ("tree", "ref"))
@@ -61,5 +61,5 @@ def test_ab_step_times_each_side_with_its_own_kernels(tmp_path):
         assert not d.get("errors"), d.get("errors")
     # without a prepared side the step says what to do
     env["AB_DIR"] = str(tmp_path / "missing")
-    r = subprocess.run(["bash", "scripts/gpu_session.sh", "ab"], cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run(["bash", "tools/gpu_session.sh", "ab"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "ab_prep.sh" in r.stdout

@@ -1,4 +1,4 @@
-"""scripts/compare_train_runs.py: the FSDP-vs-one-GPU comparison must pass for identical runs and fail for
+"""tools/compare_train_runs.py: the FSDP-vs-one-GPU comparison must pass for identical runs and fail for
 two different recipes (committed H200 runs)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ RES = ROOT / "benchmarks" / "results"
 
 @pytest.fixture(scope="module")
 def mod():
-    spec = importlib.util.spec_from_file_location("compare_train_runs", ROOT / "scripts" / "compare_train_runs.py")
+    spec = importlib.util.spec_from_file_location("compare_train_runs", ROOT / "tools" / "compare_train_runs.py")
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     return m
@@ -35,7 +35,7 @@ def test_identical_runs_match(mod):
 
 
 def test_different_recipes_do_not_match(mod):
-    a = mod.load(RES / "dev" / "router-train-2-h200" / "A")
+    a = mod.load(RES / "router-train-smollm2-s040-h200")
     b = mod.load(RES / "router-train-smollm2-h200")
     res = mod.compare(a, b, _tasks())
     assert not res["ok"]
@@ -54,7 +54,7 @@ def test_cli_writes_json(mod, tmp_path):
 
     out = tmp_path / "c.json"
     d = RES / "router-train-smollm2-h200"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_train_runs.py"), str(d), str(d),
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "compare_train_runs.py"), str(d), str(d),
                         "--out", str(out), "--world-run", "1"], capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text())["ok"] is True

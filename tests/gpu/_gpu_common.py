@@ -55,7 +55,7 @@ def bootstrap() -> None:
     from elastic_vllm.source_tree import use_source_kernels
 
     # the kernels timed are those of this tree: an editable install elsewhere (or of another checkout, as in
-    # the A/B of scripts/gpu_session.sh ab) would map elastic_vllm.csrc to its own csrc/
+    # the A/B of tools/gpu_session.sh ab) would map elastic_vllm.csrc to its own csrc/
     use_source_kernels(ROOT)
 
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Prepare an A/B of the kernels on the GPU: the csrc/ of another commit, for `scripts/gpu_session.sh ab`
+# Prepare an A/B of the kernels on the GPU: the csrc/ of another commit, for `tools/gpu_session.sh ab`
 # (which times this tree and that csrc/ in one device call, so both see the same GPU state).
 #
-#   bash scripts/ab_prep.sh REF [DEST]   # DEST (default .abtest, git-ignored): DEST/csrc/*.py of REF, DEST/REF
+#   bash tools/ab_prep.sh REF [DEST]   # DEST (default .abtest, git-ignored): DEST/csrc/*.py of REF, DEST/REF
 #
 # then, in the device call: carry [".abtest"], command `SECTIONS="tune,prefill S=32768 d=128" bash
-# scripts/gpu_session.sh ab` (GIT_COMMIT set to this tree's commit, as for every device run).
+# tools/gpu_session.sh ab` (GIT_COMMIT set to this tree's commit, as for every device run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ref=${1:?usage: ab_prep.sh REF [DEST]}

@@ -2,9 +2,9 @@
 # Build the vLLM 0.26 carry folders for the lent GPU machine in parts that fit one `device run` call WITH this
 # working tree: the device tool carries at most 64 MiB per call (tree + carried paths), and build-bundle.sh's
 # 60 MB parts plus the ~8 MB tree did not fit (2026-12-01). Output: .vllm-gpu/c1 .. c5 (~45 MiB each; c1 holds
-# unpack.sh); then `bash scripts/gpu_session.sh stage 1` .. `stage 5` (carry .vllm-gpu/cN, and .whl with 2) and
+# unpack.sh); then `bash tools/gpu_session.sh stage 1` .. `stage 5` (carry .vllm-gpu/cN, and .whl with 2) and
 # `unpack` in back-to-back calls (gpu_session.sh's header). The demo model's GGUF travels inside the bundle.
-#   bash scripts/gpu_bundle.sh [PARTS]     # default 5
+#   bash tools/gpu_bundle.sh [PARTS]     # default 5
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parts=${1:-5}

@@ -2,7 +2,7 @@
 """Build the csrc kernels for sm_90 without a GPU and report what the compiler made of them.
 
     python3 -m pip install --no-deps --target /tmp/t36 triton==3.6.0   # the GPU machine's Triton
-    PYTHONPATH=/tmp/t36 python3 scripts/sm90_build.py --out benchmarks/results/experiments/sm90-build.json
+    PYTHONPATH=/tmp/t36 python3 tools/sm90_build.py --out benchmarks/results/experiments/sm90-build.json
 
 A fake active driver reports an sm_90 target; the launchers run with CPU tensors and ``warmup=True`` (compile,
 no launch). From each cubin, with the cuobjdump that Triton ships: registers, stack bytes (spills live there)

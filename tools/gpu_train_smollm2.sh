@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train the Attention Router of SmolLM2-135M-Instruct on one GPU with no network, then (MEASURE=1) measure it.
 #
-#   bash scripts/gpu_train_smollm2.sh GGUF DATA_DIR OUT_DIR [extra train-router args]
+#   bash tools/gpu_train_smollm2.sh GGUF DATA_DIR OUT_DIR [extra train-router args]
 #
 #   GGUF      SmolLM2-135M-Instruct.Q4_1.gguf (sha256-checked, converted by elastic_vllm.models.fetch_demo_model)
 #   DATA_DIR  the output of `elastic-vllm build-data` (train.jsonl.gz, eval.jsonl.gz, manifest.json);

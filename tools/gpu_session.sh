@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H200 (no network): stage vLLM 0.26, then run the checks, training and
 # benchmarks. Each step is one `device run` call, back to back (the machine keeps /tmp ~30 s idle).
-#   bash scripts/gpu_session.sh stage N     # N = 1..5: copy .vllm-gpu/cN (built by scripts/gpu_bundle.sh: parts that fit
+#   bash tools/gpu_session.sh stage N     # N = 1..5: copy .vllm-gpu/cN (built by tools/gpu_bundle.sh: parts that fit
 #                                           # one call with the tree) to /tmp/stage; .gpu-carry (router data) when
 #                                           # carried (mind the 64 MiB per call), 2 installs .whl/gguf
-#   bash scripts/gpu_session.sh unpack      # unpack vLLM to /tmp/vsite, convert the demo model (from the carried GGUF)
-#   bash scripts/gpu_session.sh check_train # check_vllm.py (P4) and router training (P3) side by side
-#   bash scripts/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7)
-#   bash scripts/gpu_session.sh eval        # benchmarks/accuracy.py (P6) with the router trained in check_train
-#   bash scripts/gpu_session.sh gguf_part   # no vLLM: the eval's model in pieces (scripts/gpu_gguf.sh builds
-#   bash scripts/gpu_session.sh eval_gguf   # .gpu-gguf/p1..p3), one call per piece (carry .gpu-gguf/pN), the last
+#   bash tools/gpu_session.sh unpack      # unpack vLLM to /tmp/vsite, convert the demo model (from the carried GGUF)
+#   bash tools/gpu_session.sh check_train # check_vllm.py (P4) and router training (P3) side by side
+#   bash tools/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7)
+#   bash tools/gpu_session.sh eval        # benchmarks/accuracy.py (P6) with the router trained in check_train
+#   bash tools/gpu_session.sh gguf_part   # no vLLM: the eval's model in pieces (tools/gpu_gguf.sh builds
+#   bash tools/gpu_session.sh eval_gguf   # .gpu-gguf/p1..p3), one call per piece (carry .gpu-gguf/pN), the last
 #                                           # with eval_gguf (carry .gpu-gguf/p3 .whl): ~2 min less than staging vLLM
-#   bash scripts/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2)
-#   bash scripts/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (scripts/ab_prep.sh)
+#   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2)
+#   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
 # Two-GPU machine (nvidia-h200-x2), trainers in the background while vLLM is staged and checked:
 #   train_only per GGUF piece but the last (carry .gpu-gguf/p1 .gpu-carry .whl, then p2), then `train_bg` (carry the
-#   last piece, .gpu-gguf/p3, and .whl; pieces from scripts/gpu_gguf.sh): recipes
+#   last piece, .gpu-gguf/p3, and .whl; pieces from tools/gpu_gguf.sh): recipes
 #   VARIANT_A / VARIANT_B start detached on GPU $TRAIN_GPU from a copy of the tree (/tmp/tree-train);
 #   stage 1..5 + unpack; check (CHECKS on GPU 0); collect_train (waits, tars, picks /tmp/router);
 #   fsdp (torchrun over both GPUs with VARIANT_A's recipe and step count, compared with run A) + tp
@@ -30,7 +30,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD
 GGUF=${GGUF:-/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf}
 OUT=${OUT:-/tmp/out}
-GG=${GG_DIR:-/tmp/gg}  # the GGUF's pieces (scripts/gpu_gguf.sh) gathered over several calls
+GG=${GG_DIR:-/tmp/gg}  # the GGUF's pieces (tools/gpu_gguf.sh) gathered over several calls
 gguf_collect() {  # this call's pieces of .gpu-gguf/* to $GG; a piece's wheels (whl/) to /tmp/gsite
   mkdir -p "$GG"
   for d in .gpu-gguf/*/; do
@@ -53,7 +53,7 @@ case "$step" in
     bash /tmp/stage/unpack.sh
     demo ;;
   gguf_part)
-    # eval without vLLM (scripts/gpu_gguf.sh builds .gpu-gguf/p1..pN): the carried part's piece of the GGUF to
+    # eval without vLLM (tools/gpu_gguf.sh builds .gpu-gguf/p1..pN): the carried part's piece of the GGUF to
     # $GG_DIR, its wheels (pydantic, in p1) to /tmp/gsite
     gguf_collect
     ls -l "$GG" ;;
@@ -65,18 +65,18 @@ case "$step" in
     : "${ROUTER:?ROUTER: a router folder}"
     exec bash "$0" eval ;;
   train_only)
-    # router training alone, without vLLM: the GGUF travels in pieces (scripts/gpu_gguf.sh), one call each
+    # router training alone, without vLLM: the GGUF travels in pieces (tools/gpu_gguf.sh), one call each
     # (`train_only`), the last with `train_only run`; back: the 7 files of gpu_train_smollm2.sh
     [ -d .gpu-carry ] && rm -rf /tmp/gpucarry && cp -r .gpu-carry /tmp/gpucarry
     gguf_collect
     if [ "${2:-}" != run ]; then ls -la "$GG"; exit 0; fi
     gguf_join
-    PYTHONPATH=$PWD MEASURE=1 bash scripts/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data "$OUT" ;;
+    PYTHONPATH=$PWD MEASURE=1 bash tools/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data "$OUT" ;;
   train_bg)
     # the GGUF's last piece arrives now; both recipes start detached (they outlive this call) on one GPU
     gguf_collect
     gguf_join
-    rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts .whl pyproject.toml /tmp/tree-train/
+    rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts tools .whl pyproject.toml /tmp/tree-train/
     # the trainers' own site (pydantic, gguf) and the model converted once, before they start (no races)
     [ -n "${LOCAL_DRY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/elastic-site .whl/*.whl
     export PYTHONPATH=/tmp/elastic-site:$PWD; M=$(demo); echo "model $M"
@@ -85,7 +85,7 @@ case "$step" in
       rm -rf /tmp/train$v /tmp/work$v
       # setsid -f: a new session (it outlives this call), the launching subshell returns at once
       (cd /tmp/tree-train && PYTHONPATH=/tmp/elastic-site CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-1} exec setsid -f env $vars \
-        MEASURE=1 WORK=/tmp/work$v bash -c "bash scripts/gpu_train_smollm2.sh $GGUF /tmp/gpucarry/router-data /tmp/train$v; \
+        MEASURE=1 WORK=/tmp/work$v bash -c "bash tools/gpu_train_smollm2.sh $GGUF /tmp/gpucarry/router-data /tmp/train$v; \
         echo train rc=\$? > /tmp/train$v.rc") > /tmp/train$v.log 2>&1 < /dev/null
       echo "started $v: $vars"
     done
@@ -109,16 +109,16 @@ case "$step" in
       cat /tmp/train$v.rc 2>/dev/null || echo "train $v: still running"; cp /tmp/train$v.log "$OUT/" || true
       tar -C /tmp -czf "$OUT/train$v.tgz" train$v || true; tail -n 14 /tmp/train$v.log
     done
-    rm -rf /tmp/router; python3 scripts/pick_router.py /tmp/router $(for v in ${VARIANTS:-A B}; do echo /tmp/train$v; done) | tee "$OUT/pick.txt" ;;
+    rm -rf /tmp/router; python3 tools/pick_router.py /tmp/router $(for v in ${VARIANTS:-A B}; do echo /tmp/train$v; done) | tee "$OUT/pick.txt" ;;
   fsdp)
     # P10: the same recipe as run A (same seed, same steps) under torchrun with FSDP over both GPUs
     steps=$(python3 -c "import json; print(json.load(open('/tmp/trainA/summary.json'))['steps'])")
     rm -rf /tmp/fsdp /tmp/work-fsdp
     env ${VARIANT_A:-} STEPS=$steps TIME_BUDGET_S=${FSDP_BUDGET_S:-400} WORK=/tmp/work-fsdp \
-      LAUNCH="torchrun --standalone --nproc_per_node 2" bash scripts/gpu_train_smollm2.sh "$GGUF" \
+      LAUNCH="torchrun --standalone --nproc_per_node 2" bash tools/gpu_train_smollm2.sh "$GGUF" \
       /tmp/gpucarry/router-data /tmp/fsdp > "$OUT/fsdp.log" 2>&1 || echo "fsdp rc=$?" | tee -a "$OUT/fsdp.log"
     tail -n 16 "$OUT/fsdp.log"
-    python3 scripts/compare_train_runs.py /tmp/trainA /tmp/fsdp --out /tmp/fsdp/compare.json --world-run 2 \
+    python3 tools/compare_train_runs.py /tmp/trainA /tmp/fsdp --out /tmp/fsdp/compare.json --world-run 2 \
       ${REF_SHARED:+--ref-shared} || true
     tar -C /tmp -czf "$OUT/fsdp.tgz" fsdp ;;
   tp)
@@ -139,20 +139,20 @@ case "$step" in
     tar -C /tmp -czf "$OUT/accuracy.tgz" acc ;;
   check_train)
     # two training recipes side by side (VARIANT_A / VARIANT_B: environment for gpu_train_smollm2.sh), both
-    # measured; the better router (scripts/pick_router.py) goes to /tmp/router for the eval and e2e steps.
+    # measured; the better router (tools/pick_router.py) goes to /tmp/router for the eval and e2e steps.
     # Back: trainA.tgz, trainB.tgz (each run's 7 files), trainA.log, trainB.log, check_vllm.json, pick.txt
     M=$(demo)
     for v in A B; do
       eval "vars=\${VARIANT_$v:-}"
       (env $vars STEPS=${STEPS:-600} TIME_BUDGET_S=${TIME_BUDGET_S:-170} MEASURE=1 NEEDLE_PER_LENGTH=${NEEDLE_PER_LENGTH:-10} \
-        WORK=/tmp/work$v bash scripts/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data /tmp/train$v > "$OUT/train$v.log" 2>&1;
+        WORK=/tmp/work$v bash tools/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data /tmp/train$v > "$OUT/train$v.log" 2>&1;
         echo "train rc=$? ($vars)" >> "$OUT/train$v.log"; tar -C /tmp -czf "$OUT/train$v.tgz" train$v) &
     done
     sleep ${CHECK_DELAY:-0}
     timeout ${CHECK_TIMEOUT:-420} python3 tests/gpu/check_vllm.py --model "$M" --out "$OUT/check_vllm.json" \
       --checks ${CHECKS:-all_fa,graphs,needle,batch,long} 2>&1 | grep -vE "^(INFO|DEBUG|\(EngineCore)" | tail -40 || true
     wait; tail -12 "$OUT/trainA.log" "$OUT/trainB.log"
-    rm -rf /tmp/router; python3 scripts/pick_router.py /tmp/router /tmp/trainA /tmp/trainB | tee "$OUT/pick.txt" ;;
+    rm -rf /tmp/router; python3 tools/pick_router.py /tmp/router /tmp/trainA /tmp/trainB | tee "$OUT/pick.txt" ;;
   e2e)
     M=$(demo)
     R=""; [ -d /tmp/router ] && R="--demo-router /tmp/router"
@@ -179,13 +179,13 @@ case "$step" in
     timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check_kernels.json" 2>&1 | tail -40 || true
     python3 benchmarks/kernels.py --out "$OUT/kernels.json" --budget ${BUDGET:-200} 2>&1 | tail -45 ;;
   ab)
-    # the kernels of this tree vs the csrc/ of another commit (`bash scripts/ab_prep.sh REF`, carry .abtest), in
+    # the kernels of this tree vs the csrc/ of another commit (`bash tools/ab_prep.sh REF`, carry .abtest), in
     # one call: same GPU, same clocks and power state. SECTIONS: kernels.py's --sections filter; CHECK_K: the
     # GPU checks of this tree first (check_kernels.py -k); KERNELS_ARGS: more kernels.py flags (--quick, or
     # --cpu-dry for a plumbing check). Back: kernels-tree.json, kernels-ref.json (env.csrc_sha256 names the
     # sources each side timed), check-kernels-tree.json
     ab=${AB_DIR:-.abtest}
-    [ -f "$ab/REF" ] || { echo "no $ab/REF: run scripts/ab_prep.sh REF and carry .abtest"; exit 2; }
+    [ -f "$ab/REF" ] || { echo "no $ab/REF: run tools/ab_prep.sh REF and carry .abtest"; exit 2; }
     ref=$(cat "$ab/REF")
     mkdir -p "$OUT"
     if [ -n "${CHECK_K:-}" ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compare two router-training runs of the same recipe (e.g. one GPU vs `torchrun` FSDP on two GPUs).
 
-    python3 scripts/compare_train_runs.py REF_DIR RUN_DIR --out compare.json [--world-ref 1 --world-run 2]
+    python3 tools/compare_train_runs.py REF_DIR RUN_DIR --out compare.json [--world-ref 1 --world-run 2]
 
 Each DIR holds the trainer's summary.json and train_log.jsonl (or .jsonl.gz) (gpu_train_smollm2.sh's output). Per step,
 the two runs see the same samples and the same Gumbel noise (a function of seed, step and sample index),

