@@ -15,7 +15,7 @@ per request (``vllm_xargs.elastic_sa_share``, a deterministic head assignment): 
 Engine (same for every backend): prefix caching off, chunked prefill with a 16384-token budget (vLLM's
 offline default on H200; the ``vllm serve`` default 8192 is measured by lowering the scheduler's budget
 of the same engine), ``compilation mode NONE`` + ``cudagraph_mode FULL_DECODE_ONLY`` (prefill steps run
-eagerly as in ANCHORS.md's enforce_eager runs; pure decode steps replay full CUDA graphs; no inductor
+eagerly, as with enforce_eager; pure decode steps replay full CUDA graphs; no inductor
 compile at startup), one engine per (model, backend, config) reused across lengths.
 
 TTFT: one request, wall time from ``add_request`` to the step that returns its first token, median of 3.
@@ -141,7 +141,7 @@ def gpu_plan() -> list[dict]:
     return [
         _job("llama8b-flash", L8, "FLASH_ATTN", fa, mml),
         # block size 16 set explicitly: vLLM's default, what the committed rows without "block 128" ran at (the
-        # elastic backend itself asks for 128 on CUDA since the ninth session: the bs128 job is that default)
+        # elastic backend itself asks for 128 on CUDA: the bs128 job is that default)
         _job("llama8b-elastic", L8, "elastic", el, mml, block_size=16),
         _job("llama8b-elastic-bs128", L8, "elastic", el128, mml, block_size=128),
         _job("demo-flash", DEMO, "FLASH_ATTN", [_ttft(4.5, L) for L in demo_lens], 8 * K, graphs=False),
@@ -189,8 +189,8 @@ def dry_plan(has_demo: bool) -> list[dict]:
 
 # ============================================================================ time estimates (H200)
 def est_ttft(model: str, backend: str, length: int, share: float | None, dry: bool) -> float:
-    """Seconds for one request. FLASH_ATTN fitted to ANCHORS.md (8K 0.213, 32K 1.205, 128K 10.41,
-    256K 37.3 s): linear part 0.739 s and attention 0.466 s per 32K (x L and x L^2); TRITON_ATTN ~8x
+    """Seconds for one request. FLASH_ATTN fitted to its measured H200 TTFTs (8K 0.213, 32K 1.205,
+    128K 10.41, 256K 37.3 s): linear part 0.739 s and attention 0.466 s per 32K (x L and x L^2); TRITON_ATTN ~8x
     FA3's attention (4.42 s at 32K, 62.8 s at 128K); elastic: the csrc kernel's measured per-layer
     times (dense ~2.1x FA3, 75% SSA ~0.6x)."""
     if dry:

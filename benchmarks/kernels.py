@@ -232,7 +232,7 @@ def flex_block_mask(S: int, is_sa_q: list[bool], mask_mod):
 
 def flex_compiled(kind: str):
     """torch.compile'd flex_attention (never the eager path: it materialises S x S scores). The hybrid
-    call is static (as ANCHORS.md measured it; one compile per sequence length and head_dim, not per
+    call is static (one compile per sequence length and head_dim, not per
     share: the mask reads its flags from a tensor); the split's SA-only call is dynamic."""
     from torch.nn.attention.flex_attention import flex_attention
 

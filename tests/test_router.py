@@ -15,7 +15,7 @@ from elastic_vllm.router.model import (
 
 
 def test_parameter_count_matches_paper():
-    # METHOD.md: d = 128 -> 263,682 parameters per layer (the paper's "0.27M")
+    # the paper's router at d = 128: 263,682 parameters per layer (the paper's "0.27M")
     assert num_parameters_per_layer(128) == 263_682
 
 

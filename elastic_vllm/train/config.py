@@ -1,4 +1,4 @@
-"""TrainConfig: the router-training recipe (METHOD.md), every knob with its documented default.
+"""TrainConfig: the router-training recipe (the paper's, Section 3), every knob with its documented default.
 
 Defaults and where they come from:
 
@@ -18,7 +18,7 @@ Defaults and where they come from:
 | targets | robust 1.0, sensitive 0.7 | paper (the authors' script used 0.6 for sensitive) |
 | lambda_init | 0.0 | ours (the paper initialises them randomly; 0 keeps runs comparable) |
 | pooling | boundary, first/last 100 prompt tokens | paper's inference (the authors' training pooled the whole user turn) |
-| elastic | ElasticConfig() (FA-SSA, sink 128, window 2048) | paper; for SmolLM2 at <= 8K the scripts pass window 512 (MODELS_AND_DATA.md) |
+| elastic | ElasticConfig() (FA-SSA, sink 128, window 2048) | paper; for SmolLM2 at <= 8K the scripts pass window 512 (at 4K-8K, window 256 lost about twice as much needle accuracy as 512) |
 
 Why "signed" by default: with ascent, lambda1 then acts as a proper Lagrange multiplier of the
 constraint Omega = t (it changes sign when Omega crosses t); with "abs" lambda1 only grows and the

@@ -86,7 +86,7 @@ def smollm2_pooled(hf_ref):
 
 @pytest.fixture(scope="session")
 def retrieval_router(tmp_path_factory, smollm2_pooled) -> Path:
-    """A SmolLM2 router constructed to keep the 10 best retrieval heads of MODELS_AND_DATA.md FA (and
+    """A SmolLM2 router constructed to keep the 10 best retrieval heads of SmolLM2 (routers.SMOLLM2_RETRIEVAL_HEADS) FA (and
     every other head SA): known decisions, so the needle tests check the serving path, not the quality
     of a trained router (the shipped one is measured by scripts/measure_trained_router.py and run by
     tests/e2e/test_demo.py)."""

@@ -22,7 +22,8 @@ from elastic_vllm.router.model import ElasticRouter
 
 OFFSET = 100.0  # keeps the rule's coordinate in SiLU's linear range; the sign is exact regardless
 
-# (layer, KV head) of SmolLM2-135M-Instruct ranked by needle retrieval score (MODELS_AND_DATA.md)
+# (layer, KV head) of SmolLM2-135M-Instruct ranked by needle retrieval score (attention mass on the needle digits under
+# dense attention, 20 prompts of ~4K tokens; the top 9 hold 82% of it)
 SMOLLM2_RETRIEVAL_HEADS = [(18, 2), (17, 1), (21, 2), (7, 2), (23, 0), (14, 1), (20, 1), (21, 0), (22, 2), (15, 2)]
 
 
