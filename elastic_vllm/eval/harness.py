@@ -486,6 +486,19 @@ def provenance(argv: list[str], device: torch.device) -> dict:
 
 # --- options --------------------------------------------------------------------------------------
 def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--suite",
+        default="accuracy",
+        choices=["accuracy", "generalization"],
+        help="accuracy: RULER + robust tasks (this module); generalization: the held-out task families, per "
+        "family, Elastic vs dense vs the static hybrid at Elastic's Omega_MSR (eval/generalization.py)",
+    )
+    p.add_argument(
+        "--gen-data",
+        help="generalization: the split from `build-data --generalization N` "
+        "(default: benchmarks/data/smollm2_generalization.jsonl.gz); --samples caps each (family, category)",
+    )
+    p.add_argument("--no-static", action="store_true", help="generalization: skip the static hybrid")
     p.add_argument("--model", required=True, help="model folder (transformers)")
     p.add_argument("--router", help="trained router folder (router.json + router.safetensors)")
     p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="JSONL(.gz/.xz) files from eval.prepare")
@@ -550,6 +563,10 @@ def base_config(router: str | None, sink: int | None, window: int | None) -> tup
 
 
 def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> dict:
+    if getattr(opts, "suite", "accuracy") == "generalization":
+        from elastic_vllm.eval.generalization import run as run_generalization
+
+        return run_generalization(opts, argv or list(getattr(sys, "orig_argv", sys.argv)), log)
     t_start = time.perf_counter()
     device = torch.device(opts.device)
     if opts.quick:
