@@ -11,7 +11,7 @@ import json
 from enum import IntEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Mode = Literal["FA-SSA", "FA-XA", "XA-SSA"]
 Pooling = Literal["boundary", "whole"]
@@ -22,6 +22,9 @@ ChunkRouting = Literal["prefix", "dense"]
 MODES: tuple[str, ...] = ("FA-SSA", "FA-XA", "XA-SSA")
 FORCES: tuple[str, ...] = ("auto", "all-FA", "all-SA")
 CHUNK_ROUTINGS: tuple[str, ...] = ("prefix", "dense")
+# |sa_margin| bound: the shipped SmolLM2 router's logit differences z_FA - z_SA reach -737 / +141 on prompts of
+# the generalization split (code/system, chat/after; float32 on the CPU), so 1024 already routes every head FA
+SA_MARGIN_MAX = 1024.0
 
 
 class HeadMode(IntEnum):
@@ -73,6 +76,26 @@ class ElasticConfig(BaseModel):
     # The routing of the chunk that completes the prompt is final either way; without chunking
     # both are exactly the paper's once-per-request routing.
     chunk_routing: ChunkRouting = "prefix"
+    # Fail-safe routing margin, in router logits: a KV head goes SA only when the router prefers SA by at
+    # least this much, i.e. FA iff z_FA - z_SA > -sa_margin (float32, every routing path). 0 = the
+    # router's argmax (ties -> SA); larger keeps more heads FA on prompts the router is unsure about.
+    sa_margin: float = Field(
+        0.0,
+        ge=-SA_MARGIN_MAX,
+        le=SA_MARGIN_MAX,
+        allow_inf_nan=False,
+        description="fail-safe routing margin, in router logits: a KV head goes SA only when the router prefers "
+        "SA by at least this much (FA iff `z_FA - z_SA > -sa_margin`, float32, in every routing path); `0` = the "
+        "router's argmax, larger keeps more heads FA, negative routes more to SA",
+    )
+
+    @field_validator("sa_margin", mode="before")
+    @classmethod
+    def _margin_is_a_number(cls, v: Any) -> Any:
+        # bool is an int in Python: True would silently become a margin of 1.0
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"must be a number (a logit difference), got {type(v).__name__}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> ElasticConfig:

@@ -44,7 +44,7 @@ def run(tmp_path_factory, sources):  # noqa: F811
     out = d / "out"
     argv = ["--suite", "generalization", "--model", str(d / "model"), "--router", str(d / "router")]
     argv += ["--gen-data", str(d / "gen" / "generalization.jsonl.gz"), "--data", str(calib)]
-    argv += ["--out", str(out), "--device", "cpu", "--quick"]
+    argv += ["--out", str(out), "--device", "cpu", "--quick", "--margins", "1000", "-1000"]
     assert harness.main(argv) == 0
     torch.set_num_threads(n)
     return out
@@ -57,7 +57,8 @@ def test_per_family_rows_of_every_method(run):
     for cells in res["table"].values():
         assert set(cells) == {"sensitive", "robust"}
         for c in cells.values():
-            assert set(c) == {"dense", "elastic", "static"}
+            assert set(c) == {"dense", "elastic", "static", "elastic@1000", "elastic@-1000"}
+            assert c["elastic@1000"]["omega_msr"] == 0.0 and c["elastic@-1000"]["omega_msr"] == 1.0
             assert c["dense"]["omega_msr"] == 0.0
             assert c["dense"]["keep"] == pytest.approx(1.0) or c["dense"]["score"] == 0
     # the static hybrid runs at Elastic's realized Omega_MSR of the same cell (rounded to whole heads: 6 here)
@@ -72,7 +73,12 @@ def test_per_family_rows_of_every_method(run):
     assert "| logs/system | sensitive |" in md and "Targets met in" in md
     with gzip.open(run / "samples.jsonl.gz", "rt") as f:
         rows = [json.loads(x) for x in f]
-    assert len(rows) == 3 * 2 * len(HELD_OUT)
+    assert len(rows) == 5 * 2 * len(HELD_OUT)
+    # the sa_margin trade-off: +1000 keeps every head of this random router FA, -1000 sends every head SA
+    margins = {x["sa_margin"]: x for x in res["margins"]}
+    assert set(margins) == {0.0, 1000.0, -1000.0}
+    assert margins[1000.0]["sensitive_omega_msr"] == 0.0 and margins[-1000.0]["robust_omega_msr"] == 1.0
+    assert "sa_margin trade-off" in md
 
 
 def test_scores_and_targets():

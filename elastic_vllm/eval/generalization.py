@@ -179,7 +179,7 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
     if opts.batch_tokens is None:
         opts.batch_tokens = 163840 if device.type == "cuda" else 16384
     dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window)
+    base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window, getattr(opts, "sa_margin", None))
     rows = load_rows(data, per_cell)
     log(f"generalization: {len(rows)} prompts from {data} on {device} {dtype}")
     engine = HFEngine(opts.model, base_cfg, opts.router, dtype, device, opts.impl)
@@ -202,6 +202,17 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
     by_key = {(r["family"], r["category"], r["index"]): r for r in rows}
     elastic = Method("elastic", dict(METHODS["elastic"].cfg), True, label="Elastic FA-SSA")
     for m in (METHODS["dense"], elastic):
+        t0 = time.perf_counter()
+        add(run_method(engine, m, rows, texts, opts))
+        log(f"[{time.perf_counter() - t_start:6.1f}s] {m.name}: {len(rows)} prompts ({time.perf_counter() - t0:.1f} s)")
+
+    for margin in getattr(opts, "margins", None) or []:
+        if opts.time_budget and time.perf_counter() - t_start > opts.time_budget:
+            skipped.append(f"elastic@{margin:g}")
+            continue
+        m = Method(
+            f"elastic@{margin:g}", {**elastic.cfg, "sa_margin": margin}, True, label=f"Elastic, sa_margin {margin:g}"
+        )
         t0 = time.perf_counter()
         add(run_method(engine, m, rows, texts, opts))
         log(f"[{time.perf_counter() - t_start:6.1f}s] {m.name}: {len(rows)} prompts ({time.perf_counter() - t0:.1f} s)")
@@ -248,6 +259,7 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
         "table": table,
         "summary": summary(table),
         "targets": check_targets(table),
+        "margins": margin_tradeoff(table, base_cfg.sa_margin, getattr(opts, "margins", None) or []),
         "skipped": skipped,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
@@ -284,6 +296,35 @@ def summary(table: dict) -> dict:
             m: {k: _mean([c[k] for c in cs]) for k in ("score", "keep", "omega_msr")} | {"families": len(cs)}
             for m, cs in by_m.items()
         }
+    return out
+
+
+def margin_tradeoff(table: dict, base: float, margins: list[float]) -> list[dict]:
+    """Per sa_margin (the base run's and every --margins one): family-macro sensitive keep and Omega_MSR,
+    robust Omega_MSR and keep, and how many of the issue's per-family targets it meets."""
+    out = []
+    runs = [("elastic", base)] + [(f"elastic@{m:g}", m) for m in margins]
+    for name, margin in runs:
+        cells: dict = {cat: [] for cat in CATEGORIES}
+        for fam in table.values():
+            for cat, by_m in fam.items():
+                if name in by_m:
+                    cells[cat].append(by_m[name])
+        if not any(cells.values()):
+            continue
+        targets = check_targets(table, name)
+        out.append(
+            {
+                "method": name,
+                "sa_margin": margin,
+                "sensitive_keep": _mean([c["keep"] for c in cells["sensitive"]]),
+                "sensitive_omega_msr": _mean([c["omega_msr"] for c in cells["sensitive"]]),
+                "robust_keep": _mean([c["keep"] for c in cells["robust"]]),
+                "robust_omega_msr": _mean([c["omega_msr"] for c in cells["robust"]]),
+                "targets_met": sum(x["met"] for x in targets),
+                "targets": len(targets),
+            }
+        )
     return out
 
 
@@ -327,6 +368,19 @@ def markdown(res: dict) -> str:
     for cat, by_m in res["summary"].items():
         parts = [f"{m} {_f(v['score'])} / {_f(100 * v['keep'], 0)}% / {_f(v['omega_msr'], 2)}" for m, v in by_m.items()]
         lines.append(f"- {cat}: " + "; ".join(parts))
+    if len(res.get("margins", [])) > 1:
+        lines += [
+            "",
+            "sa_margin trade-off (family-macro; keep = score / dense score):",
+            "",
+            "| sa_margin | sensitive keep | sensitive Omega_MSR | robust keep | robust Omega_MSR | targets met |",
+            "|---|---|---|---|---|---|",
+        ]
+        for x in res["margins"]:
+            lines.append(
+                f"| {x['sa_margin']:g} | {_f(100 * x['sensitive_keep'], 0)}% | {_f(x['sensitive_omega_msr'], 2)} | "
+                f"{_f(100 * x['robust_keep'], 0)}% | {_f(x['robust_omega_msr'], 2)} | {x['targets_met']} / {x['targets']} |"
+            )
     met = sum(x["met"] for x in res["targets"])
     lines += ["", f"Targets met in {met} of {len(res['targets'])} cells; wall {res['wall_s']} s."]
     if res["skipped"]:

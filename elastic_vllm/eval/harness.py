@@ -527,6 +527,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--impl", default="torch", choices=["torch", "triton", "auto", "reference"], help="elastic_vllm.hf path"
     )
+    p.add_argument(
+        "--sa-margin",
+        type=float,
+        help="ElasticConfig.sa_margin of the routed methods (default: the config's default, the router's argmax)",
+    )
+    p.add_argument(
+        "--margins",
+        nargs="+",
+        type=float,
+        default=[],
+        help="generalization: also run Elastic at each of these sa_margin values (the accuracy / Omega trade-off)",
+    )
     p.add_argument("--sink", type=int, help="SSA sink (default: router.json attention block, else 128)")
     p.add_argument("--window", type=int, help="SSA window (default: router.json attention block, else 512)")
     p.add_argument(
@@ -539,7 +551,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: 2 samples, a few tasks, 8 new tokens")
 
 
-def base_config(router: str | None, sink: int | None, window: int | None) -> tuple[ElasticConfig, dict]:
+def base_config(
+    router: str | None, sink: int | None, window: int | None, sa_margin: float | None = None
+) -> tuple[ElasticConfig, dict]:
     """SSA/XA knobs from the router's checkpoint (attention + pooling blocks), else the demo defaults."""
     fields = set(ElasticConfig.model_fields)
     raw: dict[str, Any] = {"sink": 128, "window": 512}
@@ -558,6 +572,8 @@ def base_config(router: str | None, sink: int | None, window: int | None) -> tup
         raw["sink"] = sink
     if window is not None:
         raw["window"] = window
+    if sa_margin is not None:
+        raw["sa_margin"] = sa_margin
     raw.pop("router_path", None)
     return ElasticConfig.parse(raw), meta
 
@@ -596,7 +612,7 @@ def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> d
     if "static" in methods and "elastic" not in methods and opts.static_omega is None:
         raise ValueError("static needs --static-omega when elastic is not run")
 
-    base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window)
+    base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window, getattr(opts, "sa_margin", None))
     records = load_records(
         opts.data, set(opts.lengths), set(tasks), opts.samples, opts.robust_samples, opts.calib_samples
     )
