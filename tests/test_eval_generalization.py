@@ -102,3 +102,23 @@ def test_scores_and_targets():
 def test_suite_needs_a_router(tmp_path):
     with pytest.raises(ValueError, match="needs the trained router"):
         harness.main(["--suite", "generalization", "--model", str(tmp_path), "--out", str(tmp_path / "o")])
+
+
+def test_load_rows_caps_cells_and_length(tmp_path):
+    from elastic_vllm.train.build import write_jsonl
+
+    rows = [
+        {"task": "retrieval", "category": c, "messages": [], "answer": "1", "family": f, "tokens": t}
+        for f in ("a/after", "b/before")
+        for c in ("sensitive", "robust")
+        for t in (500, 3000, 800, 900)
+    ]
+    write_jsonl(rows, tmp_path / "g.jsonl")
+    got = G.load_rows(tmp_path / "g.jsonl", 2, max_tokens=1000)
+    assert [r["tokens"] for r in got] == [500, 800] * 4
+    assert [r["index"] for r in got] == [0, 1] * 4
+    with pytest.raises(ValueError, match="row without 'family'"):
+        bad = dict(rows[0])
+        del bad["family"]
+        write_jsonl([bad], tmp_path / "bad.jsonl")
+        G.load_rows(tmp_path / "bad.jsonl", 1)

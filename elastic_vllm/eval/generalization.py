@@ -44,8 +44,8 @@ CATEGORIES = ("sensitive", "robust")
 TARGET_KEEP, TARGET_SENSITIVE_MSR, TARGET_ROBUST_MSR = 0.95, 0.4, 0.8
 
 
-def load_rows(path: str | Path, per_cell: int) -> list[dict]:
-    """At most ``per_cell`` rows of each (family, category), in file order."""
+def load_rows(path: str | Path, per_cell: int, max_tokens: int | None = None) -> list[dict]:
+    """At most ``per_cell`` rows of each (family, category), in file order; none longer than ``max_tokens``."""
     from elastic_vllm.train.data import read_jsonl
 
     seen: dict = defaultdict(int)
@@ -56,6 +56,8 @@ def load_rows(path: str | Path, per_cell: int) -> list[dict]:
                 f"{path}: row without 'family' (not a generalization split; see build-data --generalization)"
             )
         k = (r["family"], r["category"])
+        if max_tokens is not None and r["tokens"] > max_tokens:
+            continue
         if seen[k] < per_cell:
             r = dict(r, index=seen[k])
             seen[k] += 1
@@ -180,7 +182,7 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
         opts.batch_tokens = 163840 if device.type == "cuda" else 16384
     dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window, getattr(opts, "sa_margin", None))
-    rows = load_rows(data, per_cell)
+    rows = load_rows(data, per_cell, getattr(opts, "gen_max_tokens", None))
     log(f"generalization: {len(rows)} prompts from {data} on {device} {dtype}")
     engine = HFEngine(opts.model, base_cfg, opts.router, dtype, device, opts.impl)
     from elastic_vllm.train.data import prompt_text
@@ -253,7 +255,12 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
         "router": str(opts.router),
         "router_meta": router_meta,
         "config": engine.base_cfg.model_dump(),
-        "data": {"path": str(data), "sha256": _sha256(data), "per_cell": per_cell},
+        "data": {
+            "path": str(data),
+            "sha256": _sha256(data),
+            "per_cell": per_cell,
+            "max_tokens": getattr(opts, "gen_max_tokens", None),
+        },
         "held_out_families": sorted(table),
         "static_hybrid": static_info,
         "table": table,

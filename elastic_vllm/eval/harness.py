@@ -499,6 +499,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(default: benchmarks/data/smollm2_generalization.jsonl.gz); --samples caps each (family, category)",
     )
     p.add_argument("--no-static", action="store_true", help="generalization: skip the static hybrid")
+    p.add_argument(
+        "--gen-max-tokens",
+        type=int,
+        help="generalization: skip samples longer than this (tokens, chat template and answer included; a CPU run)",
+    )
     p.add_argument("--model", required=True, help="model folder (transformers)")
     p.add_argument("--router", help="trained router folder (router.json + router.safetensors)")
     p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="JSONL(.gz/.xz) files from eval.prepare")
