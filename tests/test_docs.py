@@ -505,6 +505,39 @@ def results_rows() -> list[str]:
         + f" | {_link('benchmarks/results/dev/accuracy-2-h200/results.md')} |"
     )
     rows += session_12_02_rows(table)
+    rows += generalization_rows()
+    return rows
+
+
+def generalization_rows() -> list[str]:
+    """Rows of the router-generalization work (P12): CPU training feasibility, held-out families."""
+    rows = []
+    f = json.loads((RESULTS / "router-train-cpu-feasibility.json").read_text())
+    x = f["extrapolated"]
+    rows.append(
+        f"| Router training on the CPU (SmolLM2, v3 mixture, the shipped recipe) | {f['provenance']['cpu_count']}-core "
+        f"shared VM, float32, commit {f['provenance']['git_commit'][:7]} | {f['seconds_per_1k_tokens']} s per 1K "
+        f"training tokens ({len(f['steps'])} steps of 4 sequences): {x['seconds_per_recipe_step']} s per step of 16 "
+        f"sequences, {x['hours_for_300_steps']} h for 300 steps: not feasible (the GPU command: "
+        f"elastic_vllm/train/README.md) | {_link('benchmarks/results/router-train-cpu-feasibility.json')} |"
+    )
+    d = RESULTS / "generalization-smollm2-cpu"
+    if (d / "results.json").is_file():
+        g = json.loads((d / "results.json").read_text())
+        s = g["summary"]
+        met = sum(t["met"] for t in g["targets"])
+        margins = "; ".join(
+            f"sa_margin {m['sa_margin']:g}: sensitive {100 * m['sensitive_keep']:.0f}% of dense at Omega_MSR "
+            f"{m['sensitive_omega_msr']:.2f}, robust Omega_MSR {m['robust_omega_msr']:.2f}"
+            for m in g["margins"]
+        )
+        rows.append(
+            f"| Held-out task families (`eval --suite generalization`), shipped router smollm2-135m-instruct "
+            f"({g['data']['per_cell']} prompt per family and category, <= {g['data']['max_tokens']} tokens) | "
+            f"{g['provenance']['gpu']}, float32, commit {g['provenance']['git_commit'][:7]} | {margins}; static "
+            f"hybrid at Elastic's Omega_MSR: sensitive {100 * s['sensitive']['static']['keep']:.0f}% of dense; "
+            f"targets met in {met} of {len(g['targets'])} cells | {_link('benchmarks/results/generalization-smollm2-cpu/results.md')} |"
+        )
     return rows
 
 

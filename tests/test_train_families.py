@@ -119,6 +119,9 @@ def test_generalization_split_is_held_out_only(sources, tmp_path):  # noqa: F811
         (f, c): 2 for f in HELD_OUT for c in ("sensitive", "robust")
     }
     assert all(r["split"] == "generalization" for r in rows)
+    # every family draws its own samples (one seed for all gave every family the same sample)
+    first = [(r["kind"], r["answer"]) for r in rows if r["category"] == "sensitive"][::2]
+    assert len(set(first)) > len(first) // 2
     again = build_generalization(
         tmp_path / "h", byte_tokenizer(), sources, per_family=2, min_tokens=300, max_tokens=1500,
         stdlib=sources / "stdlib",

@@ -452,7 +452,9 @@ class Builder:
 
     # --- driver --------------------------------------------------------------------------------
     def make(self, task: str, index: int, category: str | None = None) -> dict:
-        rng = random.Random(f"{self.seed}:{self.split}:{task}:{index}")
+        # one family only (the generalization split): its own seed, or every family would draw the same sample
+        fam = f":{self.families[0]}" if self.families and len(self.families) == 1 else ""
+        rng = random.Random(f"{self.seed}:{self.split}:{task}:{index}{fam}")
         for _ in range(20):
             r = getattr(self, task)(rng)
             messages = r.get("messages") or [{"role": "user", "content": r["content"]}]
