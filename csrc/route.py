@@ -8,7 +8,7 @@ and every KV head of ONE layer::
     x   = mean over the P positions                                                   [Hkv, d]
     f   = W2 silu(W1 x + b1) + b2                                    Task MLP   d -> 4d -> d
     z   = W5 silu(W4 silu(W3 f + b3) + b4) + b5                      Router MLP d -> 4d -> d -> 2
-    table[slots[r], layer, h] = fa_value if z[h, 1] > z[h, 0] else sa_value     (index 1 = FA; NaN / inf: FA)
+    table[slots[r], layer, h] = fa_value if z[h, 1] - z[h, 0] > -sa_margin else sa_value   (index 1 = FA; NaN / inf: FA)
 
 Everything runs in float32 (as ``ElasticRouter`` does), so decisions match the reference except
 where the two logits are within float32 rounding of each other.
@@ -222,9 +222,9 @@ def _route_task_kernel(
     tl.store(ws_f + ((i_r * HKV + i_h) * NS1 + i_s).to(tl.int64) * D + o_d, f_part, mask=m_d)
 
 
-@triton.jit(do_not_specialize=["layer", "fa_value", "sa_value", "decode_dense"])
+@triton.jit(do_not_specialize=["layer", "fa_value", "sa_value", "neg_margin", "decode_dense"])
 def _route_router_kernel(
-    weights, ws_f, ws_v, cnt, slots, table, logits, s_w, s_t0, s_t1, s_t2, layer, fa_value, sa_value,
+    weights, ws_f, ws_v, cnt, slots, table, logits, s_w, s_t0, s_t1, s_t2, layer, fa_value, sa_value, neg_margin,
     e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
     s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr, NS1: tl.constexpr,
@@ -275,9 +275,10 @@ def _route_router_kernel(
         v = _silu(v)
         z0 = tl.sum(v * w5a, 0) + b5a
         z1 = tl.sum(v * w5b, 0) + b5b
-        # ties -> SA, as torch.argmax; non-finite logits (NaN / inf) -> FA, as router.model.decide
-        z_fa = (z1 > z0) | ~((tl.abs(z0) < float("inf")) & (tl.abs(z1) < float("inf")))
-        dec = tl.where(z_fa, fa_value, sa_value)
+        # FA iff z1 - z0 > -sa_margin in float32, as router.model.decide (margin 0: ties -> SA, as torch.argmax);
+        # non-finite logits (NaN / inf) -> FA, the mode that drops nothing
+        is_fa = ((z1 - z0) > neg_margin) | ~((tl.abs(z0) < float("inf")) & (tl.abs(z1) < float("inf")))
+        dec = tl.where(is_fa, fa_value, sa_value)
         i_slot = tl.load(slots + i_r).to(tl.int64)
         tl.store(table + i_slot * s_t0 + layer * s_t1 + i_h * s_t2, dec.to(table.dtype.element_ty))
         if HAS_LOGITS:
@@ -286,7 +287,7 @@ def _route_router_kernel(
         if EPILOGUE:
             # force: 0 auto, 1 all-FA, 2 all-SA; decode-phase rows: dense -> FA, sparse -> SSA stays, else FA
             frc = tl.load(e_force + i_r).to(tl.int32)
-            fa = tl.where(frc == 1, True, tl.where(frc == 2, False, z_fa))
+            fa = tl.where(frc == 1, True, tl.where(frc == 2, False, is_fa))
             mode = tl.where(fa, fa_value, sa_value)
             dmode = tl.where((decode_dense == 0) & (mode == 1), 1, 0)
             rmode = tl.where(tl.load(e_dphase + i_r) != 0, dmode, mode)
@@ -409,8 +410,10 @@ class Router:
         num_chunks: int | None = None,
         norm: torch.Tensor | None = None,
         pdl: bool | None = None,
+        sa_margin: float = 0.0,
     ):
         dev = weights.device
+        self.neg_margin = _neg_margin(sa_margin)
         d, hkv = head_dim, num_kv_heads
         check_tensor(weights, "weights", dim=2, dtypes=(torch.float32,))
         if not weights.is_contiguous():
@@ -490,10 +493,11 @@ class Router:
         epilogue: RouteEpilogue | None = None,
         fa_value: int | None = None,
         sa_value: int | None = None,
+        sa_margin: float | None = None,
     ) -> None:
         """Route at one layer. ``stages`` picks launches (the benchmark times each alone); ``epilogue``:
         the engine tables to write as well (``RouteEpilogue``; checked by ``check_epilogue``, not here);
-        ``fa_value`` / ``sa_value`` override the constructor's mode values for this call."""
+        ``fa_value`` / ``sa_value`` / ``sa_margin`` override the constructor's values for this call."""
         R = req_rows.shape[0]
         if R == 0:
             return
@@ -517,6 +521,7 @@ class Router:
         if "router" in stages:
             fv = self.fa_value if fa_value is None else int(fa_value)
             sv = self.sa_value if sa_value is None else int(sa_value)
+            nm = self.neg_margin if sa_margin is None else _neg_margin(sa_margin)
             if epilogue is None:
                 ep = (ws_v,) * 8 + (0,) * 12 + (0,)
             else:
@@ -526,9 +531,18 @@ class Router:
                       *e.table_logits.stride()[:3], int(e.decode_dense))  # fmt: skip
             _route_router_kernel[(self.ns2, self.hkv, R)](
                 self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw,
-                ts[0], ts[1], ts[2], layer, fv, sv, *ep, HAS_LOGITS=has_lg, EPILOGUE=epilogue is not None,
+                ts[0], ts[1], ts[2], layer, fv, sv, nm, *ep, HAS_LOGITS=has_lg, EPILOGUE=epilogue is not None,
                 **self.router_meta,
             )  # fmt: skip
+
+
+def _neg_margin(sa_margin) -> float:
+    """The kernel's float32 threshold -sa_margin; a bool, a non-number or a non-finite value is an error."""
+    import math
+
+    if isinstance(sa_margin, bool) or not isinstance(sa_margin, (int, float)) or not math.isfinite(sa_margin):
+        raise ValueError(f"sa_margin: must be a finite number, got {sa_margin!r}")
+    return -float(sa_margin)
 
 
 def check_epilogue(e: RouteEpilogue, R: int, num_layers: int, num_kv_heads: int, device) -> None:
@@ -576,6 +590,7 @@ def route(
     num_chunks: int | None = None,
     norm: torch.Tensor | None = None,
     epilogue: RouteEpilogue | None = None,
+    sa_margin: float = 0.0,
 ) -> torch.Tensor:
     """Route ``R`` requests at one layer and write their decisions into ``table`` in place.
 
@@ -587,7 +602,8 @@ def route(
         weights: [L, P] float32 from ``pack_router_weights``.
         layer: the layer index (Python int), used for the weights row and the table column.
         table: [slots, L, Hkv] int (HeadMode per request, layer, KV head), written at
-            table[slots[r], layer, :] = fa_value (router index 1 wins) or sa_value.
+            table[slots[r], layer, :] = fa_value (z1 - z0 > -sa_margin: the router prefers SA by less
+            than the margin) or sa_value.
         inv_freq: [rotary_dim / 2] float32, the model's RoPE frequencies (``RopeSpec.inv_freq``);
             attention_scaling: RoPE's magnitude scaling (``RopeSpec.attention_scaling``).
         pool_tokens, pooling: "boundary" = mean of the first/last pool_tokens; "whole" = all.
@@ -596,6 +612,7 @@ def route(
         norm: optional [L, Hkv, 2, d] float32 input standardization from ``pack_router_norm``.
         epilogue: optional engine tables to write as well (``RouteEpilogue``: forced rows, decode-phase
             modes, the per-step row modes and the per-request tables).
+        sa_margin: ``ElasticConfig.sa_margin`` (finite float; 0 = the argmax).
 
     Returns:
         table. No host synchronisation.
@@ -613,7 +630,7 @@ def route(
     router = Router(
         weights, table, inv_freq=inv_freq, num_kv_heads=hkv, head_dim=d, block_size=bs,
         attention_scaling=attention_scaling, pool_tokens=pool_tokens, pooling=pooling, fa_value=fa_value,
-        sa_value=sa_value, num_chunks=num_chunks, norm=norm,
+        sa_value=sa_value, num_chunks=num_chunks, norm=norm, sa_margin=sa_margin,
     )  # fmt: skip
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer: {layer} out of range for {num_layers} router layers")

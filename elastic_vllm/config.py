@@ -33,6 +33,10 @@ MAX_TOKENS = 2**30
 # entries: 4096 keeps it at most 64 MiB per query head (the paper uses 128).
 MAX_XATTN_BLOCK = 4096
 
+# |sa_margin| bound: the shipped SmolLM2 router's logit differences z_FA - z_SA reach -737 / +141 on prompts of
+# the generalization split (code/system, chat/after; float32 on the CPU), so 1024 already routes every head FA
+SA_MARGIN_MAX = 1024.0
+
 
 class HeadMode(IntEnum):
     """What one KV head computes. Stored as int8 in kernel metadata."""
@@ -100,6 +104,27 @@ class ElasticConfig(BaseModel):
     def _router_path(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
             raise ValueError("must name a router folder (an empty path would mean the working directory)")
+        return v
+
+    # Fail-safe routing margin, in router logits: a KV head goes SA only when the router prefers SA by at
+    # least this much, i.e. FA iff z_FA - z_SA > -sa_margin (float32, every routing path). 0 = the
+    # router's argmax (ties -> SA); larger keeps more heads FA on prompts the router is unsure about.
+    sa_margin: float = Field(
+        0.0,
+        ge=-SA_MARGIN_MAX,
+        le=SA_MARGIN_MAX,
+        allow_inf_nan=False,
+        description="fail-safe routing margin, in router logits: a KV head goes SA only when the router prefers "
+        "SA by at least this much (FA iff `z_FA - z_SA > -sa_margin`, float32, in every routing path); `0` = the "
+        "router's argmax, larger keeps more heads FA, negative routes more to SA",
+    )
+
+    @field_validator("sa_margin", mode="before")
+    @classmethod
+    def _margin_is_a_number(cls, v: Any) -> Any:
+        # bool is an int in Python: True would silently become a margin of 1.0
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"must be a number (a logit difference), got {type(v).__name__}")
         return v
 
     @model_validator(mode="after")

@@ -99,7 +99,7 @@ def test_build_is_deterministic_split_disjoint_and_bounded(sources, tmp_path):
     ev = read_jsonl(tmp_path / "a" / "eval.jsonl.gz")
     assert Counter(r["task"] for r in train) == {t: 3 for t in TASKS}
     for r in train + ev:
-        assert r["category"] == TASKS[r["task"]] and r["answer"] and r["messages"][0]["role"] == "user"
+        assert r["category"] == TASKS[r["task"]] and r["answer"] and r["messages"][-1]["role"] == "user"
         assert r["tokens"] <= 1200
     tok = byte_tokenizer()
     for r in train:  # the recorded length is what the trainer will see (+- the end-of-turn token)

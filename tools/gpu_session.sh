@@ -11,6 +11,8 @@
 #   bash tools/gpu_session.sh gguf_part   # no vLLM: the eval's model in pieces (tools/gpu_gguf.sh builds
 #   bash tools/gpu_session.sh eval_gguf   # .gpu-gguf/p1..p3), one call per piece (carry .gpu-gguf/pN), the last
 #                                           # with eval_gguf (carry .gpu-gguf/p3 .whl): ~2 min less than staging vLLM
+#   bash tools/gpu_session.sh generalization  # eval --suite generalization (held-out families) of ROUTERS
+#                                           # (space-separated folders, run side by side on the GPU), MARGINS
 #   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2)
 #   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
 # Two-GPU machine (nvidia-h200-x2), trainers in the background while vLLM is staged and checked:
@@ -175,6 +177,21 @@ case "$step" in
     python3 benchmarks/serve_bench.py --demo-model "$M" --servers "${SERVERS:?}" ${WORKLOADS:+--workloads $WORKLOADS} \
       --out /tmp/sb/"${SB_NAME:-serve}".json ${MERGE:+--merge $MERGE} --budget "${BUDGET:-540}" 2>&1 | tail -60 || true
     cp /tmp/sb/"${SB_NAME:-serve}".json /tmp/sb/"${SB_NAME:-serve}".md "$OUT/" ;;
+  generalization)
+    # the generalization suite (held-out task families) of each router in ROUTERS, concurrently on the one GPU
+    # (the torch path at <= 4K tokens is launch-bound: two processes share it well); SAMPLES caps each
+    # (family, category) cell; MARGINS: the sa_margin sweep; back: OUT/gen-<name>.tgz per router
+    M=$(demo)
+    i=0
+    for R in ${ROUTERS:?ROUTERS: router folders}; do
+      i=$((i + 1)); name=$(basename "$R")
+      (python3 benchmarks/accuracy.py --suite generalization --model "$M" --router "$R" --out "/tmp/gen-$name" \
+        --device cuda --samples ${SAMPLES:-8} ${MARGINS:+--margins $MARGINS} --time-budget ${BUDGET:-420} \
+        > "/tmp/gen-$name.log" 2>&1; echo "rc=$?" >> "/tmp/gen-$name.log"
+       tar -C /tmp -czf "$OUT/gen-$name.tgz" "gen-$name" "gen-$name.log") &
+    done
+    wait
+    for R in $ROUTERS; do tail -n 45 "/tmp/gen-$(basename "$R").log"; done ;;
   kernels)
     timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check_kernels.json" 2>&1 | tail -40 || true
     python3 benchmarks/kernels.py --out "$OUT/kernels.json" --budget ${BUDGET:-200} 2>&1 | tail -45 ;;

@@ -486,6 +486,24 @@ def provenance(argv: list[str], device: torch.device) -> dict:
 
 # --- options --------------------------------------------------------------------------------------
 def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--suite",
+        default="accuracy",
+        choices=["accuracy", "generalization"],
+        help="accuracy: RULER + robust tasks (this module); generalization: the held-out task families, per "
+        "family, Elastic vs dense vs the static hybrid at Elastic's Omega_MSR (eval/generalization.py)",
+    )
+    p.add_argument(
+        "--gen-data",
+        help="generalization: the split from `build-data --generalization N` "
+        "(default: benchmarks/data/smollm2_generalization.jsonl.gz); --samples caps each (family, category)",
+    )
+    p.add_argument("--no-static", action="store_true", help="generalization: skip the static hybrid")
+    p.add_argument(
+        "--gen-max-tokens",
+        type=int,
+        help="generalization: skip samples longer than this (tokens, chat template and answer included; a CPU run)",
+    )
     p.add_argument("--model", required=True, help="model folder (transformers)")
     p.add_argument("--router", help="trained router folder (router.json + router.safetensors)")
     p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="JSONL(.gz/.xz) files from eval.prepare")
@@ -514,6 +532,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--impl", default="torch", choices=["torch", "triton", "auto", "reference"], help="elastic_vllm.hf path"
     )
+    p.add_argument(
+        "--sa-margin",
+        type=float,
+        help="ElasticConfig.sa_margin of the routed methods (default: the config's default, the router's argmax)",
+    )
+    p.add_argument(
+        "--margins",
+        nargs="+",
+        type=float,
+        default=[],
+        help="generalization: also run Elastic at each of these sa_margin values (the accuracy / Omega trade-off)",
+    )
     p.add_argument("--sink", type=int, help="SSA sink (default: router.json attention block, else 128)")
     p.add_argument("--window", type=int, help="SSA window (default: router.json attention block, else 512)")
     p.add_argument(
@@ -526,7 +556,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: 2 samples, a few tasks, 8 new tokens")
 
 
-def base_config(router: str | None, sink: int | None, window: int | None) -> tuple[ElasticConfig, dict]:
+def base_config(
+    router: str | None, sink: int | None, window: int | None, sa_margin: float | None = None
+) -> tuple[ElasticConfig, dict]:
     """SSA/XA knobs from the router's checkpoint (attention + pooling blocks), else the demo defaults."""
     fields = set(ElasticConfig.model_fields)
     raw: dict[str, Any] = {"sink": 128, "window": 512}
@@ -545,11 +577,17 @@ def base_config(router: str | None, sink: int | None, window: int | None) -> tup
         raw["sink"] = sink
     if window is not None:
         raw["window"] = window
+    if sa_margin is not None:
+        raw["sa_margin"] = sa_margin
     raw.pop("router_path", None)
     return ElasticConfig.parse(raw), meta
 
 
 def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> dict:
+    if getattr(opts, "suite", "accuracy") == "generalization":
+        from elastic_vllm.eval.generalization import run as run_generalization
+
+        return run_generalization(opts, argv or list(getattr(sys, "orig_argv", sys.argv)), log)
     t_start = time.perf_counter()
     device = torch.device(opts.device)
     if opts.quick:
@@ -579,7 +617,7 @@ def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> d
     if "static" in methods and "elastic" not in methods and opts.static_omega is None:
         raise ValueError("static needs --static-omega when elastic is not run")
 
-    base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window)
+    base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window, getattr(opts, "sa_margin", None))
     records = load_records(
         opts.data, set(opts.lengths), set(tasks), opts.samples, opts.robust_samples, opts.calib_samples
     )

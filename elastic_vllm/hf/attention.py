@@ -90,7 +90,7 @@ def _route(state: ElasticState, module, layer: int, k_pos: torch.Tensor, k_valid
         fixed = state.fixed_routing.to(dev).bool()
         is_fa = (fixed[layer] if fixed.dim() == 2 else fixed[:, layer]).expand(B, -1)
     elif logits is not None:
-        is_fa = decide(logits)
+        is_fa = decide(logits, cfg.sa_margin)
     else:
         raise RuntimeError("elastic attention with force='auto' needs a router (or state.fixed_routing)")
     state.record(layer, is_fa, logits)

@@ -96,15 +96,20 @@ class ElasticRouter(nn.Module):
         return decide(self.forward(layer, pooled))
 
 
-def decide(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the 2 logits; True where index 1 (FA) wins.
+def decide(logits: torch.Tensor, sa_margin: float = 0.0) -> torch.Tensor:
+    """True where the head runs FA: ``z_FA - z_SA > -sa_margin``, both sides float32.
 
-    Ties go to index 0 (SA), as ``torch.argmax`` (first maximum) does in the authors' code. A head whose
-    logits are not finite (NaN / inf: an overflowing router or NaN keys) goes to FA, the mode that drops
-    nothing (``torch.argmax`` would pick the NaN's index, and NaN comparisons say SA); the engine counts
-    such heads (``elastic:router_nonfinite_heads_total``) and warns.
+    The reference of every routing path (vLLM torch glue, the Triton router kernel's epilogue, the
+    transformers integration): a head goes SA only when the router prefers SA by at least ``sa_margin``
+    (``ElasticConfig.sa_margin``). With 0 it is the argmax, ties going to index 0 (SA) as ``torch.argmax``
+    (first maximum) does in the authors' code. A head whose logits are not finite (NaN / inf: an overflowing
+    router or NaN keys) goes to FA, the mode that drops nothing (``torch.argmax`` would pick the NaN's index,
+    and NaN comparisons say SA); the engine counts such heads (``elastic:router_nonfinite_heads_total``) and
+    warns.
     """
-    return (logits[..., FA_INDEX] > logits[..., 1 - FA_INDEX]) | ~torch.isfinite(logits).all(-1)
+    z = logits.float()
+    # torch compares a float32 tensor with a Python float at float32, as the kernel receives its threshold
+    return ((z[..., FA_INDEX] - z[..., 1 - FA_INDEX]) > -float(sa_margin)) | ~torch.isfinite(z).all(-1)
 
 
 def boundary_positions(length: int, n: int, device=None) -> torch.Tensor:

@@ -37,8 +37,11 @@ TASKS: dict[str, str] = {
     "code_completion": "robust",  # next lines of concatenated Python stdlib files
     "summarization": "robust",  # title + lead of a kernel document / docstring of a module (see DATA.md)
     "icl_classify": "robust",  # many-shot classification with arbitrary label words
+    # builder version 3 (families.py): deployment-like formats, never a HELD_OUT family
+    "retrieval": "sensitive",  # 11 retrieval kinds x 7 haystacks x 4 question forms x 4 templates
+    "local": "robust",  # 6 robust kinds (continue, rewrite, summary, translate, codegen, open chat) likewise
 }
-BUILDER_VERSION = 2  # 2: needle in four styles over several haystacks
+BUILDER_VERSION = 3  # 2: needle in four styles over several haystacks; 3: + the retrieval / local families
 EVAL_SHARE = 10  # one item in EVAL_SHARE goes to eval
 
 ADJECTIVES = (
@@ -89,6 +92,7 @@ class Builder:
         self.split = split
         self.overhead = len(self._encode(self._template("")))
         self._cache: dict[str, object] = {}
+        self.families: tuple[str, ...] | None = None  # retrieval / local: None = every training family
 
     # --- helpers -----------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -436,23 +440,42 @@ class Builder:
         )
         return {"content": content, "answer": labels[query_type], "source": "hotpotqa-dev-distractor:question-type"}
 
+    def retrieval(self, rng: random.Random) -> dict:
+        from elastic_vllm.train.families import Families, train_families
+
+        return Families(self).sample(rng, "sensitive", self.families or train_families())
+
+    def local(self, rng: random.Random) -> dict:
+        from elastic_vllm.train.families import Families, train_families
+
+        return Families(self).sample(rng, "robust", self.families or train_families())
+
     # --- driver --------------------------------------------------------------------------------
-    def make(self, task: str, index: int) -> dict:
-        rng = random.Random(f"{self.seed}:{self.split}:{task}:{index}")
+    def make(self, task: str, index: int, category: str | None = None) -> dict:
+        # one family only (the generalization split): its own seed, or every family would draw the same sample
+        fam = f":{self.families[0]}" if self.families and len(self.families) == 1 else ""
+        rng = random.Random(f"{self.seed}:{self.split}:{task}:{index}{fam}")
         for _ in range(20):
             r = getattr(self, task)(rng)
-            messages = [{"role": "user", "content": r["content"]}]
-            tokens = self.ntok(self._template(r["content"])) + self.ntok(r["answer"]) + 2
+            messages = r.get("messages") or [{"role": "user", "content": r["content"]}]
+            prompt = r.get("prompt") or self.tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            tokens = self.ntok(prompt) + self.ntok(r["answer"]) + 2
             if tokens <= self.max_tokens:
-                return {
+                row = {
                     "task": task,
-                    "category": TASKS[task],
+                    "category": category or TASKS[task],
                     "messages": messages,
                     "answer": r["answer"],
                     "source": r["source"],
                     "split": self.split,
                     "tokens": tokens,
                 }
+                for k in ("prompt", "family", "kind", "template"):
+                    if r.get(k) is not None:
+                        row[k] = r[k]
+                return row
         raise RuntimeError(f"{task}: could not build a sample of at most {self.max_tokens} tokens")
 
 
@@ -515,6 +538,59 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
         path.write_bytes(data)
 
 
+def _stats(rows: list[dict], key: str) -> dict:
+    out = {}
+    for name in sorted({r[key] for r in rows}):
+        mine = [r for r in rows if r[key] == name]
+        out[name] = {
+            "n": len(mine),
+            "category": mine[0]["category"],
+            "tokens_min": min(r["tokens"] for r in mine),
+            "tokens_mean": round(sum(r["tokens"] for r in mine) / len(mine)),
+            "tokens_max": max(r["tokens"] for r in mine),
+        }
+    return out
+
+
+def _manifest(folder: Path, src: Path, tokenizer, seed, min_tokens, max_tokens, stats, ext, **extra) -> dict:
+    from elastic_vllm.train.families import HELD_OUT, country_names
+
+    manifest_src = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).is_file() else {}
+    try:
+        import pycountry
+
+        manifest_src["iso_codes"] = {
+            "package": f"pycountry=={pycountry.__version__ if hasattr(pycountry, '__version__') else _dist_version('pycountry')}",
+            "used": bool(country_names("fr")),
+            "license": "LGPL-2.1 (pycountry, iso-codes catalogs)",
+        }
+    except ImportError:
+        manifest_src["iso_codes"] = {"package": None, "used": False}
+    manifest = {
+        "builder_version": BUILDER_VERSION,
+        "seed": seed,
+        "min_tokens": min_tokens,
+        "max_tokens": max_tokens,
+        "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
+        "held_out_families": sorted(HELD_OUT),
+        **extra,
+        "sources": manifest_src,
+        "splits": stats,
+        "files": {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob(f"*{ext}"))},
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build(
     out: str | Path,
     tokenizer,
@@ -528,19 +604,27 @@ def build(
     gz: bool = True,
     progress: bool = True,
     stdlib: str | Path | None = None,
+    task_counts: dict[str, int] | None = None,
 ) -> dict:
+    """``task_counts``: train samples of some tasks instead of ``per_task`` (eval scales alike)."""
     src = Path(sources)
-    manifest_src = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).is_file() else {}
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     stats: dict = {}
     ext = ".jsonl.gz" if gz else ".jsonl"
+    counts = task_counts or {}
     for split, n in (("train", per_task), ("eval", eval_per_task)):
         if n <= 0:
             continue
         b = Builder(src, tokenizer, seed, min_tokens, max_tokens, split, Path(stdlib) if stdlib else None)
         rows = []
-        it = [(t, i) for t in tasks for i in range(n)]
+
+        def count(t: str, n: int = n, split: str = split) -> int:
+            if t not in counts:
+                return n
+            return counts[t] if split == "train" else max(1, round(counts[t] * eval_per_task / max(per_task, 1)))
+
+        it = [(t, i) for t in tasks for i in range(count(t))]
         if progress:
             from tqdm import tqdm
 
@@ -549,28 +633,46 @@ def build(
             rows.append(b.make(t, i))
         random.Random(f"{seed}:{split}:order").shuffle(rows)
         write_jsonl(rows, folder / f"{split}{ext}")
-        stats[split] = {
-            t: {
-                "n": sum(1 for r in rows if r["task"] == t),
-                "category": TASKS[t],
-                "tokens_min": min(r["tokens"] for r in rows if r["task"] == t),
-                "tokens_mean": round(sum(r["tokens"] for r in rows if r["task"] == t) / n),
-                "tokens_max": max(r["tokens"] for r in rows if r["task"] == t),
-            }
-            for t in tasks
-        }
-    manifest = {
-        "builder_version": BUILDER_VERSION,
-        "seed": seed,
-        "min_tokens": min_tokens,
-        "max_tokens": max_tokens,
-        "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
-        "sources": manifest_src,
-        "splits": stats,
-        "files": {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob(f"*{ext}"))},
-    }
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+        stats[split] = _stats(rows, "task")
+        fam = [r for r in rows if "family" in r]
+        if fam:
+            stats[f"{split}_families"] = _stats(fam, "family")
+    return _manifest(folder, src, tokenizer, seed, min_tokens, max_tokens, stats, ext)
+
+
+def build_generalization(
+    out: str | Path,
+    tokenizer,
+    sources: str | Path,
+    per_family: int = 8,
+    min_tokens: int = 1024,
+    max_tokens: int = 4096,
+    seed: int = 0,
+    gz: bool = True,
+    stdlib: str | Path | None = None,
+    families: tuple[str, ...] | None = None,
+) -> dict:
+    """The generalization split: ``per_family`` sensitive and ``per_family`` robust samples of every
+    held-out family (families.HELD_OUT), from the eval share of the source items, written as
+    ``generalization.jsonl(.gz)`` with the manifest. No training sample has a held-out family."""
+    from elastic_vllm.train.families import held_out_families
+
+    src = Path(sources)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    ext = ".jsonl.gz" if gz else ".jsonl"
+    b = Builder(src, tokenizer, seed, min_tokens, max_tokens, "eval", Path(stdlib) if stdlib else None)
+    rows = []
+    for fam in families or held_out_families():
+        b.families = (fam,)
+        for task in ("retrieval", "local"):
+            for i in range(per_family):
+                r = b.make(task, i)
+                r["split"] = "generalization"
+                rows.append(r)
+    write_jsonl(rows, folder / f"generalization{ext}")
+    stats = {"generalization": _stats(rows, "family")}
+    return _manifest(folder, src, tokenizer, seed, min_tokens, max_tokens, stats, ext, per_family=per_family)
 
 
 # --- CLI -------------------------------------------------------------------------------------
@@ -587,6 +689,31 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-gzip", action="store_true")
+    p.add_argument(
+        "--task-counts",
+        default="",
+        help="train samples of some tasks instead of --per-task, e.g. retrieval=360,local=240 (eval scales alike)",
+    )
+    p.add_argument(
+        "--generalization",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the mixture: the generalization split, N sensitive + N robust samples per held-out family",
+    )
+
+
+def parse_task_counts(spec: str) -> dict[str, int]:
+    """ "retrieval=360,local=240" -> {"retrieval": 360, "local": 240}; errors name --task-counts."""
+    out: dict[str, int] = {}
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, val = part.partition("=")
+        if name not in TASKS:
+            raise ValueError(f"--task-counts: unknown task {name!r} (known: {', '.join(TASKS)})")
+        if not val.isdigit():
+            raise ValueError(f"--task-counts: {name} needs a count >= 0, got {val!r}")
+        out[name] = int(val)
+    return out
 
 
 def build_from_args(a: argparse.Namespace) -> dict:
@@ -602,5 +729,18 @@ def build_from_args(a: argparse.Namespace) -> dict:
     if not a.no_fetch:
         fetch_sources(src, skip=tuple(a.skip_source))
     tok = AutoTokenizer.from_pretrained(str(a.tokenizer or fetch_demo_model(quiet=True)))
-    m = build(a.out, tok, src, a.per_task, a.eval_per_task, a.min_tokens, a.max_tokens, a.seed, tasks, gz=not a.no_gzip)
+    if a.generalization:
+        m = build_generalization(
+            a.out, tok, src, a.generalization, a.min_tokens, a.max_tokens, a.seed, gz=not a.no_gzip
+        )
+        return {
+            "out": a.out,
+            "files": m["files"],
+            "generalization": {f: s["n"] for f, s in m["splits"]["generalization"].items()},
+        }
+    counts = parse_task_counts(a.task_counts)
+    m = build(
+        a.out, tok, src, a.per_task, a.eval_per_task, a.min_tokens, a.max_tokens, a.seed, tasks, gz=not a.no_gzip,
+        task_counts=counts,
+    )  # fmt: skip
     return {"out": a.out, "files": m["files"], "train": {t: s["n"] for t, s in m["splits"].get("train", {}).items()}}

@@ -69,8 +69,16 @@ def end_of_turn(tokenizer) -> str:
     return tokenizer.eos_token or ""
 
 
+def prompt_text(row: dict, tokenizer) -> str:
+    """The prompt as the model reads it: ``prompt`` when the row was rendered in another template
+    (builder version 3, ``families.render``), else the tokenizer's chat template of ``messages``."""
+    if row.get("prompt"):
+        return row["prompt"]
+    return tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+
+
 def tokenize(row: dict, tokenizer, eot: str | None = None) -> Example:
-    prompt = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+    prompt = prompt_text(row, tokenizer)
     p_ids = tokenizer.encode(prompt, add_special_tokens=False)
     a_ids = tokenizer.encode(row["answer"] + (end_of_turn(tokenizer) if eot is None else eot), add_special_tokens=False)
     if not a_ids:

@@ -6,7 +6,7 @@ are gathered from the cache and rotated back with the model's own RoPE (``refere
 
     key_cache [num_blocks, block_size, Hkv, D] --gather(block_table, positions)--> [N, Hkv, D]
       --invert_rope--> pre-RoPE [N, Hkv, D] --segment mean per row--> pooled [R, Hkv, D]
-      --router layer l--> logits [R, Hkv, 2] --argmax, force--> FA? [R, Hkv] --> HeadMode [R, Hkv]
+      --router layer l--> logits [R, Hkv, 2] --decide(sa_margin), force--> FA? [R, Hkv] --> HeadMode [R, Hkv]
 
 Everything here is plain torch on the cache's device, built once per step (:func:`build_route_batch`)
 and reused by every layer (:func:`route_layer`): a few small kernels per layer, none per row.
@@ -200,7 +200,7 @@ def route_layer(
             pooled = pooled_prerope_keys(key_cache, rb, rope)
             with torch.no_grad():
                 logits = router(layer, pooled)
-        fa = decide(logits)
+        fa = decide(logits, cfg.sa_margin)
     else:
         logits = torch.zeros(R, num_kv_heads, 2, dtype=torch.float32, device=dev)
         fa = torch.zeros(R, num_kv_heads, dtype=torch.bool, device=dev)
@@ -267,7 +267,7 @@ class TritonRouter:
             self._epilogue_checked = True
         self._launcher(key_cache, cfg)(
             key_cache, rb.block_table, rb.rows_i32, rb.ends, self.slots[:R], layer, epilogue=ep,
-            fa_value=int(cfg.fa_mode), sa_value=int(cfg.sa_mode),
+            fa_value=int(cfg.fa_mode), sa_value=int(cfg.sa_mode), sa_margin=cfg.sa_margin,
         )  # fmt: skip
 
     def logits(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch, cfg: ElasticConfig) -> torch.Tensor:

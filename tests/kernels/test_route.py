@@ -306,3 +306,47 @@ def test_route_nonfinite_logits_go_to_fa(bad):
     )  # fmt: skip
     assert not torch.isfinite(logits[..., 0]).any()
     assert (table[slots.long(), 1] == 0).all(), table[slots.long(), 1]
+
+
+def test_route_sa_margin_matches_decide():
+    """The decision epilogue with ``sa_margin``: table and engine tables equal ``router.model.decide(z, m)``
+    (FA iff z1 - z0 > -m, float32) on the reference logits, and a positive margin turns some SA heads FA."""
+    from elastic_vllm.csrc.route import RouteEpilogue
+
+    from elastic_vllm.router.model import decide
+
+    lens = [300, 150, 220, 90]
+    batch, spec, router, rows, plens = make_case(lens)
+    R, hkv, L, layer = len(lens), batch.key_cache.shape[2], 3, 2
+    z = route_logits_ref(batch.key_cache, batch.block_table, rows, plens, router, layer, spec)
+    d = z[..., 1] - z[..., 0]
+    m = float((-d[d < 0]).median())  # half of the SA heads flip
+    for margin in (0.0, m, -m):
+        e = RouteEpilogue(
+            rows=rows, force=torch.zeros(R, dtype=torch.int8), decode_phase=torch.zeros(R, dtype=torch.bool),
+            final_slot=rows.clone(), row_modes=torch.full((L, R, hkv), -7, dtype=torch.int32),
+            table_modes=torch.full((R, L, hkv), -7, dtype=torch.int8), table_fa=torch.zeros(R, L, hkv, dtype=torch.bool),
+            table_logits=torch.zeros(R, L, hkv, 2), decode_dense=False,
+        )  # fmt: skip
+        table = torch.full((R, L, hkv), 9, dtype=torch.int8)
+        route(
+            batch.key_cache, batch.block_table, rows, plens, rows, pack_router_weights(router), layer, table,
+            inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, epilogue=e, sa_margin=margin,
+        )  # fmt: skip
+        want = decide(z, margin)
+        sure = (d + margin).abs() > 10 * LOGIT_ATOL
+        assert torch.equal((table[:, layer] == 0)[sure], want[sure])
+        assert torch.equal(e.table_fa[:, layer][sure], want[sure])
+        assert torch.equal((e.row_modes[layer] == 0)[sure], want[sure])
+    assert decide(z, m).sum() > decide(z, 0.0).sum() > decide(z, -m).sum()
+
+
+@pytest.mark.parametrize("bad", [True, float("nan"), float("inf"), "1"])
+def test_route_sa_margin_must_be_a_finite_number(bad):
+    batch, spec, router, rows, plens = make_case([120, 80])
+    table = torch.zeros(2, 3, batch.key_cache.shape[2], dtype=torch.int8)
+    with pytest.raises(ValueError, match="sa_margin: must be a finite number"):
+        route(
+            batch.key_cache, batch.block_table, rows, plens, rows, pack_router_weights(router), 0, table,
+            inv_freq=spec.inv_freq, sa_margin=bad,
+        )  # fmt: skip
