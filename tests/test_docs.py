@@ -527,15 +527,15 @@ def generalization_rows() -> list[str]:
         s = g["summary"]
         met = sum(t["met"] for t in g["targets"])
         margins = "; ".join(
-            f"sa_margin {m['sa_margin']:g}: sensitive {100 * m['sensitive_keep']:.0f}% of dense at Omega_MSR "
-            f"{m['sensitive_omega_msr']:.2f}, robust Omega_MSR {m['robust_omega_msr']:.2f}"
+            f"sa_margin {m['sa_margin']:g}: Omega_MSR sensitive {m['sensitive_omega_msr']:.2f} / robust "
+            f"{m['robust_omega_msr']:.2f} (robust score {100 * m['robust_keep']:.0f}% of dense)"
             for m in g["margins"]
         )
         rows.append(
             f"| Held-out task families (`eval --suite generalization`), shipped router smollm2-135m-instruct "
             f"({g['data']['per_cell']} prompt per family and category, <= {g['data']['max_tokens']} tokens) | "
-            f"{g['provenance']['gpu']}, float32, commit {g['provenance']['git_commit'][:7]} | {margins}; static "
-            f"hybrid at Elastic's Omega_MSR: sensitive {100 * s['sensitive']['static']['keep']:.0f}% of dense; "
+            f"{g['provenance']['gpu']}, float32, commit {g['provenance']['git_commit'][:7]} | {margins}; dense answers "
+            f"{s['sensitive']['dense']['score']:.0f}% of the sensitive prompts, static hybrid {s['sensitive']['static']['score']:.0f}%; "
             f"targets met in {met} of {len(g['targets'])} cells | {_link('benchmarks/results/generalization-smollm2-cpu/results.md')} |"
         )
     return rows
