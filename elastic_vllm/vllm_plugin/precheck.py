@@ -104,22 +104,14 @@ def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
     from elastic_vllm.router.checkpoint import BackboneShape, load_router
     from elastic_vllm.vllm_plugin import compat
     from elastic_vllm.vllm_plugin.ops import resolve_ops
-    from elastic_vllm.vllm_plugin.state import NEOX_ROPE_MODEL_TYPES, parse_additional_config, resolve_router_path
+    from elastic_vllm.vllm_plugin.state import check_model_support, parse_additional_config, resolve_router_path
 
     cfg, ops_requested = parse_additional_config(vllm_config)
     device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"
     resolve_ops(ops_requested, torch.device(device if isinstance(device, str) else device.type))
     mc = vllm_config.model_config
     hf = mc.hf_config
-    text = getattr(hf, "text_config", None) or hf
-    model_type = getattr(text, "model_type", "unknown")
-    if model_type not in NEOX_ROPE_MODEL_TYPES:
-        raise ConfigError(
-            f"elastic: model_type {model_type!r} is not supported: pre-RoPE key recovery is implemented for "
-            f"NeoX-style RoPE models ({', '.join(NEOX_ROPE_MODEL_TYPES)})"
-        )
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise ConfigError("elastic: speculative decoding is not supported by the elastic attention backend")
+    check_model_support(vllm_config)
     shape = BackboneShape.from_hf_config(hf)
     model_name = compat.served_model_name(vllm_config)
     path = resolve_router_path(cfg, shape, model_name)

@@ -228,6 +228,21 @@ def parse_additional_config(vllm_config) -> tuple[ElasticConfig, str | None]:
 VLLM_WARMUP_REQ_ID = re.compile(r"_warmup_\d+_|_v2_mixed_warmup_(?:decode|prefill)_")
 
 
+def check_model_support(vllm_config) -> None:
+    """The model features the backend needs (NeoX RoPE, no speculative decoding); a ConfigError naming the one
+    missing. Run by the API-server precheck and again by the engine."""
+    hf = vllm_config.model_config.hf_config
+    text = getattr(hf, "text_config", None) or hf
+    model_type = getattr(text, "model_type", "unknown")
+    if model_type not in NEOX_ROPE_MODEL_TYPES:
+        raise ConfigError(
+            f"elastic: model_type {model_type!r} is not supported: pre-RoPE key recovery is implemented for "
+            f"NeoX-style RoPE models ({', '.join(NEOX_ROPE_MODEL_TYPES)})"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ConfigError("elastic: speculative decoding is not supported by the elastic attention backend")
+
+
 def is_vllm_warmup_request(req_id: str) -> bool:
     return VLLM_WARMUP_REQ_ID.fullmatch(req_id) is not None
 
@@ -316,15 +331,7 @@ class EngineState(compat.RunnerObserver):
         mc = vllm_config.model_config
         self.model_name = compat.served_model_name(vllm_config)
         hf = mc.hf_config
-        text = getattr(hf, "text_config", None) or hf
-        model_type = getattr(text, "model_type", "unknown")
-        if model_type not in NEOX_ROPE_MODEL_TYPES:
-            raise ConfigError(
-                f"elastic: model_type {model_type!r} is not supported: pre-RoPE key recovery is implemented for "
-                f"NeoX-style RoPE models ({', '.join(NEOX_ROPE_MODEL_TYPES)})"
-            )
-        if getattr(vllm_config, "speculative_config", None) is not None:
-            raise ConfigError("elastic: speculative decoding is not supported by the elastic attention backend")
+        check_model_support(vllm_config)
         self.shape = BackboneShape.from_hf_config(hf)
         self.rope = RopeSpec.from_hf_config(hf)
         self.num_layers = self.shape.num_layers
