@@ -15,6 +15,8 @@
 #                                           # (space-separated folders, run side by side on the GPU), MARGINS
 #   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2)
 #   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
+# One GPU, after staging: TRAIN_GPU=0 TRAIN_SITE=/tmp/vsite train_bg (the staged GGUF; carry .whl), then check /
+# kernels while it trains, collect_train, generalization; the timed `serve` last, alone on the GPU.
 # Two-GPU machine (nvidia-h200-x2), trainers in the background while vLLM is staged and checked:
 #   train_only per GGUF piece but the last (carry .gpu-gguf/p1 .gpu-carry .whl, then p2), then `train_bg` (carry the
 #   last piece, .gpu-gguf/p3, and .whl; pieces from tools/gpu_gguf.sh): recipes
@@ -75,9 +77,9 @@ case "$step" in
     gguf_join
     PYTHONPATH=$PWD MEASURE=1 bash tools/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data "$OUT" ;;
   train_bg)
-    # the GGUF's last piece arrives now; both recipes start detached (they outlive this call) on one GPU
-    gguf_collect
-    gguf_join
+    # the GGUF's last piece arrives now (or vLLM's staging brought it); the recipes start detached (they
+    # outlive this call) on one GPU
+    [ -f "$GGUF" ] || { gguf_collect; gguf_join; }
     rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts tools .whl pyproject.toml /tmp/tree-train/
     # the trainers' own site (pydantic, gguf) and the model converted once, before they start (no races)
     [ -n "${LOCAL_DRY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/elastic-site .whl/*.whl
@@ -86,7 +88,7 @@ case "$step" in
       eval "vars=\${VARIANT_$v:-}"
       rm -rf /tmp/train$v /tmp/work$v
       # setsid -f: a new session (it outlives this call), the launching subshell returns at once
-      (cd /tmp/tree-train && PYTHONPATH=/tmp/elastic-site CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-1} exec setsid -f env $vars \
+      (cd /tmp/tree-train && PYTHONPATH=/tmp/elastic-site${TRAIN_SITE:+:$TRAIN_SITE} CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-1} exec setsid -f env $vars \
         MEASURE=1 WORK=/tmp/work$v bash -c "bash tools/gpu_train_smollm2.sh $GGUF /tmp/gpucarry/router-data /tmp/train$v; \
         echo train rc=\$? > /tmp/train$v.rc") > /tmp/train$v.log 2>&1 < /dev/null
       echo "started $v: $vars"
@@ -194,7 +196,7 @@ case "$step" in
     for R in $ROUTERS; do tail -n 45 "/tmp/gen-$(basename "$R").log"; done ;;
   kernels)
     timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check_kernels.json" 2>&1 | tail -40 || true
-    python3 benchmarks/kernels.py --out "$OUT/kernels.json" --budget ${BUDGET:-200} 2>&1 | tail -45 ;;
+    [ "${KERNEL_BENCH:-1}" = 0 ] || python3 benchmarks/kernels.py --out "$OUT/kernels.json" --budget ${BUDGET:-200} 2>&1 | tail -45 ;;
   ab)
     # the kernels of this tree vs the csrc/ of another commit (`bash tools/ab_prep.sh REF`, carry .abtest), in
     # one call: same GPU, same clocks and power state. SECTIONS: kernels.py's --sections filter; CHECK_K: the

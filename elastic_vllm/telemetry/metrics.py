@@ -93,6 +93,20 @@ class _Metrics:
             ["model_name", "tp_rank"],
             multiprocess_mode="livesum",
         )
+        self._layer_children: dict[tuple[str, str], list[tuple]] = {}
+
+    def decision_counters(self, model_name: str, rank: str, layers: int) -> list[tuple]:
+        """(FA, SA) children of ``head_decisions`` per layer, looked up once: ``labels()`` per layer and
+        request (64 for 32 layers) took 190 of a recording's 440 us on a 2-core CPU."""
+        key = (model_name, rank)
+        children = self._layer_children.get(key)
+        if children is None or len(children) < layers:
+            children = self._layer_children[key] = [
+                (self.decisions.labels(model_name, str(layer), "FA", rank),
+                 self.decisions.labels(model_name, str(layer), "SA", rank))
+                for layer in range(layers)
+            ]  # fmt: skip
+        return children
 
 
 _lock = threading.Lock()
@@ -116,18 +130,19 @@ def record_routing(rec: RoutingRecord) -> None:
     """Record one request's final routing. Call exactly once per request and TP rank: every rank
     counts its own KV heads in head_decisions (but a replica of heads another rank counts:
     ``count_heads`` False); rank 0 records the per-request metrics, whose Omegas must then cover
-    every KV head of the model (``state.global_omegas``)."""
+    every KV head of the model (``recording.global_omegas``)."""
     m = metrics()
     rank = str(rec.tp_rank)
     if rec.count_heads:
         dec = rec.decisions.bool().cpu()
         fa_per_layer = dec.sum(dim=1).tolist()
         heads = dec.shape[1]
-        for layer, n_fa in enumerate(fa_per_layer):
+        children = m.decision_counters(rec.model_name, rank, len(fa_per_layer))
+        for (fa_counter, sa_counter), n_fa in zip(children, fa_per_layer):
             if n_fa:
-                m.decisions.labels(rec.model_name, str(layer), "FA", rank).inc(n_fa)
+                fa_counter.inc(n_fa)
             if heads - n_fa:
-                m.decisions.labels(rec.model_name, str(layer), "SA", rank).inc(heads - n_fa)
+                sa_counter.inc(heads - n_fa)
     m.latency.labels(rec.model_name, rank).observe(rec.router_latency_s)
     if rec.tp_rank == 0:
         m.msr.labels(rec.model_name).observe(rec.omega_msr)

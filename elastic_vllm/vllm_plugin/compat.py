@@ -374,6 +374,9 @@ class RunnerObserver:
     def on_step_begin(self, scheduler_output: Any) -> None: ...
     def on_rows(self, req_ids: list[str | None]) -> None: ...
     def on_step_end(self, failed: bool = False) -> None: ...
+    def on_step_output(self) -> Callable[[], None] | None:
+        return None
+
     def needs_eager_attention(self) -> bool:
         return False
 
@@ -431,12 +434,41 @@ def _wrap_execute_model(original: Callable) -> Callable:
     return execute_model
 
 
+def _wrap_sample_tokens(original: Callable) -> Callable:
+    """After the step's sampling is launched: the observer's callback runs when the step's output is read
+    (``AsyncModelRunnerOutput.get_output``, which waits for the step's GPU work anyway), or at once when
+    the runner returned a complete output."""
+
+    def sample_tokens(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        obs = _observer(self)
+        done = obs.on_step_output() if obs is not None else None
+        if done is None:
+            return out
+        get = getattr(out, "get_output", None)
+        if not callable(get):
+            done()
+            return out
+
+        def get_output():
+            result = get()
+            done()
+            return result
+
+        out.get_output = get_output
+        return out
+
+    return sample_tokens
+
+
 def _install_v1(mod) -> list[str]:
     """V1 runner: vllm.v1.worker.gpu_model_runner.GPUModelRunner (also the CPU runner's base)."""
     cls = mod.GPUModelRunner
     missing = []
     if not _wrap(cls, "execute_model", _wrap_execute_model):
         missing.append("execute_model")
+    if not _wrap(cls, "sample_tokens", _wrap_sample_tokens):
+        missing.append("sample_tokens")
 
     def make_build(original):
         def _build_attention_metadata(self, *args, **kwargs):
@@ -476,6 +508,8 @@ def _install_v2(mod) -> list[str]:
     missing = []
     if not _wrap(cls, "execute_model", _wrap_execute_model):
         missing.append("execute_model")
+    if not _wrap(cls, "sample_tokens", _wrap_sample_tokens):
+        missing.append("sample_tokens")
 
     def make_prepare(original):
         def prepare_inputs(self, *args, **kwargs):

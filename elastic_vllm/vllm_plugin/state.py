@@ -41,18 +41,18 @@ sink + window (XA heads dense).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
-import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from elastic_vllm.config import ConfigError, ElasticConfig, HeadMode
+from elastic_vllm.config import ConfigError, ElasticConfig
 from elastic_vllm.reference.rope import RopeSpec
 from elastic_vllm.router.checkpoint import (
     WEIGHTS_FILE,
@@ -62,7 +62,6 @@ from elastic_vllm.router.checkpoint import (
     read_meta,
 )
 from elastic_vllm.router.checkpoint import _sha256 as checkpoint_sha256
-from elastic_vllm.sparsity import omega_esr, omega_msr
 from elastic_vllm.vllm_plugin import compat, observe
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import (
@@ -70,8 +69,8 @@ from elastic_vllm.vllm_plugin.overrides import (
     effective_force,
     request_override,
     request_sa_share,
-    routing_mode,
 )
+from elastic_vllm.vllm_plugin.recording import Recorder, StepTimer
 from elastic_vllm.vllm_plugin.routing import (
     RouteBatch,
     RouteRow,
@@ -106,35 +105,6 @@ def is_first_replica(tp_rank: int, tp_size: int, total_kv_heads: int) -> bool:
     """True on the first of the ranks holding the same KV heads (every rank when none is replicated):
     the rank that counts those heads in per-head metrics."""
     return tp_rank % max(1, tp_size // total_kv_heads) == 0
-
-
-@dataclass(frozen=True)
-class HeadCounts:
-    """One request's final routing on one TP rank, reduced to what the Omegas over all ranks need."""
-
-    kv_heads: tuple[int, ...]  # global KV heads of the rank (replicas hold the same tuple)
-    heads: int  # (layer, KV head) pairs: num_layers * len(kv_heads)
-    fa: int  # of them routed to FA
-    esr_sum: float  # sum over them of the pruned share of causal pairs (Omega_ESR * heads)
-
-
-def global_omegas(per_rank: list[dict[str, HeadCounts]]) -> dict[str, tuple[float, float]]:
-    """(Omega_MSR, Omega_ESR) of each request over every global KV head counted once, from the
-    HeadCounts each TP rank reported (``per_rank[r]``: req_id -> counts of rank r). Ranks that hold
-    the same KV heads (replicas, tp_size > num_kv_heads) count once: the first one reporting them."""
-    out: dict[str, tuple[float, float]] = {}
-    for rid in dict.fromkeys(rid for counts in per_rank for rid in counts):
-        seen: set[tuple[int, ...]] = set()
-        heads = fa = 0
-        esr = 0.0
-        for counts in per_rank:
-            c = counts.get(rid)
-            if c is None or c.kv_heads in seen:
-                continue
-            seen.add(c.kv_heads)
-            heads, fa, esr = heads + c.heads, fa + c.fa, esr + c.esr_sum
-        out[rid] = ((heads - fa) / heads, esr / heads)
-    return out
 
 
 def router_search_dirs() -> list[Path]:
@@ -282,37 +252,6 @@ class RequestState:
     warmup: bool = False  # one of vLLM's own warm-up requests: routed, never recorded
 
 
-class _Timer:
-    """Router time per step: host clock on CPU, CUDA events on GPU (read when the step is flushed)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.host = 0.0
-        self.events: list[tuple[Any, Any]] = []
-
-    def start(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def stop(self, t0) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.events.append((t0, e))
-        else:
-            self.host += time.perf_counter() - t0
-
-    def total_s(self) -> float:
-        if self.cuda and self.events:
-            torch.cuda.synchronize()
-            self.host += sum(a.elapsed_time(b) for a, b in self.events) / 1e3
-            self.events.clear()
-        return self.host
-
-
 @dataclass
 class StepPlan:
     """What build() decided for this step (host side)."""
@@ -371,7 +310,10 @@ class EngineState(compat.RunnerObserver):
         self.dense_attention = None  # vLLM's FlashAttention for all-FA steps (set by warmup after its check)
         self.warmed = False
         self._live_published = -1  # last value of the elastic:live_requests gauge
-        self._warned_nonfinite = False
+        self.step_id = 0  # execute_model calls with a scheduler output (the recorder's step order)
+        self.recorder = Recorder(
+            self.cfg, self.model_name, self.tp_rank, self.tp_size, self.kv_heads, self.first_replica, self.router_path
+        )
         logger.info(
             "elastic attention: %s, router %s, ops=%s, tp %d/%d (KV heads %s)",
             self.cfg.model_dump(exclude={"router_path"}),
@@ -422,7 +364,7 @@ class EngineState(compat.RunnerObserver):
         )
         self.row_modes = torch.zeros(L, max_rows, H, dtype=torch.int32, device=device)
         self.free_slots = list(range(self.num_slots - 2, -1, -1))
-        self.timer = _Timer(device)
+        self.timer = StepTimer(device)
         self.kernel_router = (
             TritonRouter(self.router, self.rope, L, H, max_rows, device)
             if self.ops == "triton" and self.router is not None
@@ -433,10 +375,11 @@ class EngineState(compat.RunnerObserver):
     # --- request lifecycle (RunnerObserver) -----------------------------------------------------
     def on_step_begin(self, so) -> None:
         self.in_step = True
+        self.step_id += 1
         self.plan = None
         self.rows = None
         if self.attached:
-            self.timer = _Timer(self.device)
+            self.timer = StepTimer(self.device)
         for rid in so.finished_req_ids:  # finished or aborted: free
             self._free(rid)
         for rid in getattr(so, "preempted_req_ids", None) or ():
@@ -673,124 +616,21 @@ class EngineState(compat.RunnerObserver):
 
     # --- recording ------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Record the requests whose routing became final in this step (once per request).
-
-        With tensor parallelism every rank routes its own KV heads; the Omegas recorded for a request
-        cover all of them: the ranks exchange per-request head counts (:func:`global_omegas`) over
-        vLLM's TP group. Every rank gets the same SchedulerOutput, so routings become final on the same
-        step on every rank and every rank reaches this gather with the same requests; it runs after the
-        step's forward (never inside CUDA-graph capture: dummy runs have no observer step), on the host
-        group (gloo), after the device-to-host copy below that the recording needs anyway.
-        """
+        """Snapshot the routings made final in this step, for :class:`recording.Recorder` to record once
+        per request (when the step's output is read; with tensor parallelism, now)."""
         pending = [st for st in list(self.requests.values()) if st.pending]
+        self.recorder.drain(upto=self.step_id - 2)  # left behind by a runner whose output hook did not run
         if not pending:
             return
-        latency = self.timer.total_s()  # this step's router time (shared by the rows routed in it)
-        slots = torch.tensor([st.table_slot for st in pending], dtype=torch.long, device=self.device)
-        fa = self.table_fa.index_select(0, slots).cpu()
-        modes = self.table_modes.index_select(0, slots).cpu()
-        logits = self.table_logits.index_select(0, slots).cpu()
-        pooled = self.table_pooled.index_select(0, slots).cpu() if self.table_pooled is not None else None
-        self._count_nonfinite(pending, logits)
-        fresh: list[tuple[int, RequestState, float]] = []  # (index, state, local Omega_ESR)
-        for i, st in enumerate(pending):
+        for st in pending:
             st.pending = False
-            st.router_time = latency
-            if st.recorded:  # re-routed after preemption: same keys, same decision expected
-                observe.COUNTERS.rerouted += 1
-                if not torch.equal(fa[i], st.first_decisions):
-                    observe.COUNTERS.reroute_mismatches += 1
-                    logger.warning(
-                        "elastic: request %s re-routed after preemption with a different decision", st.req_id
-                    )
-                continue
-            st.recorded = True
-            st.first_decisions = fa[i]
-            if st.warmup:  # every TP rank sees the same warm-up requests: the gather below stays aligned
-                observe.COUNTERS.warmup_routings += 1
-                continue
-            fresh.append((i, st, self._esr(st, modes[i])))
-            st.xa_rows.clear()
-        if not fresh:
-            return
-        omegas = self._global_omegas(
-            {
-                st.req_id: HeadCounts(self.kv_heads, fa[i].numel(), int(fa[i].sum()), esr * fa[i].numel())
-                for i, st, esr in fresh
-            }
-        )
-        for i, st, esr in fresh:
-            msr = omega_msr(fa[i])
-            all_msr, all_esr = omegas.get(st.req_id, (msr, esr))
-            event = observe.RoutingEvent(
-                req_id=st.req_id,
-                model_name=self.model_name,
-                tp_rank=self.tp_rank,
-                kv_heads=self.kv_heads,
-                decisions=fa[i],
-                head_modes=modes[i],
-                logits=logits[i],
-                prompt_len=st.prompt_len,
-                omega_msr=msr,
-                omega_esr=esr,
-                omega_msr_all=all_msr,
-                omega_esr_all=all_esr,
-                router_latency_s=latency,
-                override=st.override,
-                force=routing_mode(st.override, st.sa_share, self.cfg.force),
-                pooled=pooled[i] if pooled is not None else None,
-                counts_heads=self.first_replica,
-            )
-            observe.on_routing_final(event)
+        tables = (self.table_fa, self.table_modes, self.table_logits, self.table_pooled)
+        self.recorder.snapshot(pending, tables, self.timer, self.step_id)
 
-    def _count_nonfinite(self, pending: list[RequestState], logits: torch.Tensor) -> None:
-        """Heads whose router logits were NaN / inf ran as FA (``router.model.decide``): count them, and
-        warn the first time (a router that overflows, or NaN keys in the cache)."""
-        bad = (~torch.isfinite(logits)).any(-1)  # [P, L, H]
-        n = int(bad.sum())
-        if not n:
-            return
-        observe.COUNTERS.nonfinite_router_heads += n
-        if not self._warned_nonfinite:
-            self._warned_nonfinite = True
-            rid = pending[int(bad.flatten(1).any(1).nonzero()[0])].req_id
-            logger.warning(
-                "elastic: router %s gave NaN / inf logits for %d KV-head decisions (request %s); those heads "
-                "run FA. Counted in elastic:router_nonfinite_heads_total; this warning is not repeated",
-                self.router_path,
-                n,
-                rid,
-            )
-
-    def _global_omegas(self, local: dict[str, HeadCounts]) -> dict[str, tuple[float, float]]:
-        """The Omegas over every KV head of the requests in ``local`` (empty at TP=1: local is global)."""
-        if self.tp_size == 1:
-            return {}
-        per_rank = compat.tp_all_gather_object(local)
-        missing = [rid for rid in local if any(rid not in counts for counts in per_rank)]
-        if missing:  # would mean ranks disagree on the schedule; record what this rank has
-            logger.error("elastic: TP ranks did not all finalize the routing of %s on the same step", missing)
-        return {rid: v for rid, v in global_omegas(per_rank).items() if rid not in missing}
-
-    def _esr(self, st: RequestState, modes: torch.Tensor) -> float:
-        """Omega_ESR of the final head modes at the prompt length (``elastic_vllm.sparsity``). XA heads
-        use the blocks their prefill selected (torch path); query blocks without a recorded selection
-        (earlier chunks in another mode, prefix-cache hits, and every block on the Triton path, whose
-        selection stays on the device) count as dense, so Omega_ESR is a lower bound there."""
-        masks = None
-        if (modes == HeadMode.XA).any():
-            blk = self.cfg.xattn_block
-            nb = (st.prompt_len + blk - 1) // blk
-            dense = torch.ones(nb, nb, dtype=torch.bool).tril()
-            masks = {}
-            for layer, h in (modes == HeadMode.XA).nonzero().tolist():
-                sel = st.xa_rows.get((layer, h))
-                if sel is None:
-                    masks[(layer, h)] = dense
-                else:
-                    rows_sel = sel.any(dim=1, keepdim=True)
-                    masks[(layer, h)] = torch.where(rows_sel, sel, dense)
-        return omega_esr(modes, st.prompt_len, self.cfg, masks)
+    def on_step_output(self) -> Callable[[], None]:
+        """Called when the runner has launched the step's sampling: what to call once its output is read
+        (the forward is complete then, so recording its snapshot does not wait)."""
+        return functools.partial(self.recorder.drain, upto=self.step_id)
 
 
 # --- registry: one state per engine --------------------------------------------------------------

@@ -280,6 +280,7 @@ def run_step(state, sim, so, rows, q_lens, seq_lens, req_idx=None):
             state.route(li, sim.key_cache(li), plan.route)
     modes = state.row_modes[:, : len(rows)].clone()  # [L, B, H]
     state.on_step_end()
+    state.on_step_output()()  # what the runner hook calls once the step's output is read
     return plan, modes
 
 
@@ -380,6 +381,7 @@ def test_vllm_warmup_requests_are_routed_but_not_recorded(tmp_path):
     so = SchedOut([], Cached(), {}, finished_req_ids={"_warmup_0_", "_warmup_1_"})
     st.on_step_begin(so)
     st.on_step_end()
+    st.on_step_output()()
     assert st.live_request_ids() == ["A"]
 
 
@@ -520,7 +522,8 @@ def test_tensor_parallel_omegas_count_every_head_once(tmp_path, monkeypatch, tp,
 
 
 def test_global_omegas_dedupes_replicas():
-    from elastic_vllm.vllm_plugin.state import HeadCounts, global_omegas, is_first_replica
+    from elastic_vllm.vllm_plugin.recording import HeadCounts, global_omegas
+    from elastic_vllm.vllm_plugin.state import is_first_replica
 
     # 4 ranks, 2 KV heads x 3 layers, each head on 2 ranks; request "a": head 0 all FA, head 1 all SA
     a0, a1 = HeadCounts((0,), 3, 3, 0.0), HeadCounts((1,), 3, 0, 3 * 0.9)
@@ -580,6 +583,7 @@ def test_the_default_shipped_router_is_found_beside_the_alternatives(monkeypatch
 class _Obs:
     def __init__(self, eager: bool):
         self.eager, self.rows, self.steps = eager, [], 0
+        self.outputs_launched, self.outputs_read = 0, []
 
     def on_step_begin(self, so):
         self.steps += 1
@@ -589,6 +593,10 @@ class _Obs:
 
     def on_step_end(self, failed=False):
         pass
+
+    def on_step_output(self):
+        self.outputs_launched += 1
+        return lambda: self.outputs_read.append(self.steps)
 
     def needs_eager_attention(self):
         return self.eager
@@ -636,6 +644,9 @@ def _fake_v2_module(version: str):
         def prepare_inputs(self, scheduler_output, batch_desc):
             return SimpleNamespace(req_ids=["a", "b", None], num_reqs=2)
 
+        def sample_tokens(self, grammar_output):
+            return SimpleNamespace(get_output=lambda: "output")  # async scheduling: an AsyncOutput
+
     mod.GPUModelRunner = GPUModelRunner
     mod.dispatch_cg_and_sync_dp = dispatch_cg_and_sync_dp
     return mod
@@ -656,6 +667,9 @@ def test_v2_runner_hooks(version, eager):
         assert runner.execute_model(object()) == "out"
         desc = runner.desc
         assert runner.execute_model(object(), None, True) == "out"  # dummy runs are not steps
+        out = runner.sample_tokens(None)
+        assert obs.outputs_launched == 1 and obs.outputs_read == []  # the forward may still be running
+        assert out.get_output() == "output" and obs.outputs_read == [1]  # recorded once it is read
     finally:
         compat._observer_for = saved
     assert obs.steps == 1 and obs.rows == [["a", "b"]]
@@ -686,6 +700,9 @@ def test_v1_runner_hooks():
         def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, nst, mnst, force_uniform_decode=None):
             return force_uniform_decode
 
+        def sample_tokens(self, grammar_output):
+            return "output"  # no async scheduling: a complete ModelRunnerOutput
+
     mod.GPUModelRunner = GPUModelRunner
     assert compat._install_v1(mod) == []
     obs = _Obs(eager=True)
@@ -695,6 +712,7 @@ def test_v1_runner_hooks():
         r = GPUModelRunner()
         assert r.execute_model(object()) == "out"
         r._build_attention_metadata(num_tokens=2, num_reqs=2, max_query_len=1)  # outside a step: not recorded
+        assert r.sample_tokens(None) == "output" and obs.outputs_read == [1]  # complete: recorded at once
     finally:
         compat._observer_for = saved
     assert obs.rows == [["r2", "r1"]] and r.disp is False
