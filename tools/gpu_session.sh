@@ -80,6 +80,7 @@ case "$step" in
     # the GGUF's last piece arrives now (or vLLM's staging brought it); the recipes start detached (they
     # outlive this call) on one GPU
     [ -f "$GGUF" ] || { gguf_collect; gguf_join; }
+    [ -d .gpu-carry ] && rm -rf /tmp/gpucarry && cp -r .gpu-carry /tmp/gpucarry
     rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts tools .whl pyproject.toml /tmp/tree-train/
     # the trainers' own site (pydantic, gguf) and the model converted once, before they start (no races)
     [ -n "${LOCAL_DRY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/elastic-site .whl/*.whl
