@@ -84,7 +84,7 @@ case "$step" in
     rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts tools .whl pyproject.toml /tmp/tree-train/
     # the trainers' own site (pydantic, gguf) and the model converted once, before they start (no races)
     [ -n "${LOCAL_DRY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/elastic-site .whl/*.whl
-    export PYTHONPATH=/tmp/elastic-site:$PWD; M=$(demo); echo "model $M"
+    export PYTHONPATH=/tmp/elastic-site${TRAIN_SITE:+:$TRAIN_SITE}:$PWD; M=$(demo); echo "model $M"
     for v in ${VARIANTS:-A B}; do
       eval "vars=\${VARIANT_$v:-}"
       rm -rf /tmp/train$v /tmp/work$v
