@@ -63,7 +63,7 @@ from elastic_vllm.router.checkpoint import (
 )
 from elastic_vllm.router.checkpoint import _sha256 as checkpoint_sha256
 from elastic_vllm.sparsity import omega_esr, omega_msr
-from elastic_vllm.vllm_plugin import compat, observe
+from elastic_vllm.vllm_plugin import compat, observe, parallel
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import (
     check_allowed,
@@ -72,6 +72,7 @@ from elastic_vllm.vllm_plugin.overrides import (
     request_sa_share,
     routing_mode,
 )
+from elastic_vllm.vllm_plugin.parallel import HeadCounts
 from elastic_vllm.vllm_plugin.routing import (
     RouteBatch,
     RouteRow,
@@ -106,35 +107,6 @@ def is_first_replica(tp_rank: int, tp_size: int, total_kv_heads: int) -> bool:
     """True on the first of the ranks holding the same KV heads (every rank when none is replicated):
     the rank that counts those heads in per-head metrics."""
     return tp_rank % max(1, tp_size // total_kv_heads) == 0
-
-
-@dataclass(frozen=True)
-class HeadCounts:
-    """One request's final routing on one TP rank, reduced to what the Omegas over all ranks need."""
-
-    kv_heads: tuple[int, ...]  # global KV heads of the rank (replicas hold the same tuple)
-    heads: int  # (layer, KV head) pairs: num_layers * len(kv_heads)
-    fa: int  # of them routed to FA
-    esr_sum: float  # sum over them of the pruned share of causal pairs (Omega_ESR * heads)
-
-
-def global_omegas(per_rank: list[dict[str, HeadCounts]]) -> dict[str, tuple[float, float]]:
-    """(Omega_MSR, Omega_ESR) of each request over every global KV head counted once, from the
-    HeadCounts each TP rank reported (``per_rank[r]``: req_id -> counts of rank r). Ranks that hold
-    the same KV heads (replicas, tp_size > num_kv_heads) count once: the first one reporting them."""
-    out: dict[str, tuple[float, float]] = {}
-    for rid in dict.fromkeys(rid for counts in per_rank for rid in counts):
-        seen: set[tuple[int, ...]] = set()
-        heads = fa = 0
-        esr = 0.0
-        for counts in per_rank:
-            c = counts.get(rid)
-            if c is None or c.kv_heads in seen:
-                continue
-            seen.add(c.kv_heads)
-            heads, fa, esr = heads + c.heads, fa + c.fa, esr + c.esr_sum
-        out[rid] = ((heads - fa) / heads, esr / heads)
-    return out
 
 
 def router_search_dirs() -> list[Path]:
@@ -229,8 +201,8 @@ VLLM_WARMUP_REQ_ID = re.compile(r"_warmup_\d+_|_v2_mixed_warmup_(?:decode|prefil
 
 
 def check_model_support(vllm_config) -> None:
-    """The model features the backend needs (NeoX RoPE, no speculative decoding); a ConfigError naming the one
-    missing. Run by the API-server precheck and again by the engine."""
+    """The model features the backend needs (NeoX RoPE, no speculative decoding, a supported parallel mode); a
+    ConfigError naming the one missing. Run by the API-server precheck and again by the engine."""
     hf = vllm_config.model_config.hf_config
     text = getattr(hf, "text_config", None) or hf
     model_type = getattr(text, "model_type", "unknown")
@@ -241,6 +213,7 @@ def check_model_support(vllm_config) -> None:
         )
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ConfigError("elastic: speculative decoding is not supported by the elastic attention backend")
+    parallel.check_parallel_support(vllm_config)
 
 
 def is_vllm_warmup_request(req_id: str) -> bool:
@@ -341,6 +314,8 @@ class EngineState(compat.RunnerObserver):
         if len(self.kv_heads) != self.num_kv_heads:
             raise RuntimeError(f"elastic: rank holds {self.num_kv_heads} KV heads, expected {len(self.kv_heads)}")
         self.first_replica = is_first_replica(self.tp_rank, self.tp_size, self.shape.num_kv_heads)
+        self.topo = parallel.topology(self.num_layers)  # pipeline stage: the layers [first, end) it routes
+        self.exchange = parallel.OmegaExchange(self.topo)
         self.device = torch.device(vllm_config.device_config.device)
         self.ops = resolve_ops(ops_requested, self.device)
         if self.ops == "triton":
@@ -373,12 +348,11 @@ class EngineState(compat.RunnerObserver):
         self._live_published = -1  # last value of the elastic:live_requests gauge
         self._warned_nonfinite = False
         logger.info(
-            "elastic attention: %s, router %s, ops=%s, tp %d/%d (KV heads %s)",
+            "elastic attention: %s, router %s, ops=%s, %s, KV heads %s",
             self.cfg.model_dump(exclude={"router_path"}),
             self.router_path or f"none (force {self.cfg.force})",
             self.ops,
-            self.tp_rank,
-            self.tp_size,
+            self.topo.describe(),
             list(self.kv_heads),
         )
 
@@ -457,8 +431,8 @@ class EngineState(compat.RunnerObserver):
 
     def _publish_live(self) -> None:
         """elastic:live_requests = requests holding state here (0 when idle); metrics never take the engine down."""
-        if len(self.requests) == self._live_published:
-            return
+        if len(self.requests) == self._live_published or not self.topo.last_stage:
+            return  # every pipeline stage holds the same requests: the last one publishes them
         self._live_published = len(self.requests)
         try:
             from elastic_vllm.telemetry.metrics import set_live_requests
@@ -472,9 +446,9 @@ class EngineState(compat.RunnerObserver):
 
     def on_step_end(self, failed: bool = False) -> None:
         try:
-            if failed and self.tp_size > 1:
+            if failed and (self.tp_size > 1 or self.topo.pp_size > 1):
                 # the engine is going down; a rank that failed before its forward must not wait in the
-                # TP gather of flush() for ranks that never reach it
+                # TP gather or the stage exchange of flush() for ranks that never reach it
                 for st in self.requests.values():
                     st.pending = False
             else:
@@ -675,22 +649,24 @@ class EngineState(compat.RunnerObserver):
     def flush(self) -> None:
         """Record the requests whose routing became final in this step (once per request).
 
-        With tensor parallelism every rank routes its own KV heads; the Omegas recorded for a request
-        cover all of them: the ranks exchange per-request head counts (:func:`global_omegas`) over
-        vLLM's TP group. Every rank gets the same SchedulerOutput, so routings become final on the same
-        step on every rank and every rank reaches this gather with the same requests; it runs after the
+        With tensor / pipeline parallelism every rank routes its own KV heads of its stage's layers; the
+        Omegas recorded for a request cover all of them: the ranks exchange per-request head counts
+        (``parallel.OmegaExchange``: stages send theirs to the last one, whose TP ranks all-gather them).
+        Every rank gets the same SchedulerOutputs in the same order, so routings become final on the same
+        step on every rank and every rank reaches the exchange with the same requests; it runs after the
         step's forward (never inside CUDA-graph capture: dummy runs have no observer step), on the host
-        group (gloo), after the device-to-host copy below that the recording needs anyway.
+        groups (gloo), after the device-to-host copy below that the recording needs anyway.
         """
         pending = [st for st in list(self.requests.values()) if st.pending]
         if not pending:
             return
         latency = self.timer.total_s()  # this step's router time (shared by the rows routed in it)
         slots = torch.tensor([st.table_slot for st in pending], dtype=torch.long, device=self.device)
-        fa = self.table_fa.index_select(0, slots).cpu()
-        modes = self.table_modes.index_select(0, slots).cpu()
-        logits = self.table_logits.index_select(0, slots).cpu()
-        pooled = self.table_pooled.index_select(0, slots).cpu() if self.table_pooled is not None else None
+        lo, hi = self.topo.layers  # this stage's layers (every layer without pipeline parallelism)
+        fa = self.table_fa.index_select(0, slots)[:, lo:hi].cpu()
+        modes = self.table_modes.index_select(0, slots)[:, lo:hi].cpu()
+        logits = self.table_logits.index_select(0, slots)[:, lo:hi].cpu()
+        pooled = self.table_pooled.index_select(0, slots)[:, lo:hi].cpu() if self.table_pooled is not None else None
         self._count_nonfinite(pending, logits)
         fresh: list[tuple[int, RequestState, float]] = []  # (index, state, local Omega_ESR)
         for i, st in enumerate(pending):
@@ -713,11 +689,14 @@ class EngineState(compat.RunnerObserver):
             st.xa_rows.clear()
         if not fresh:
             return
-        omegas = self._global_omegas(
+        omegas, latency = self.exchange.omegas(
             {
-                st.req_id: HeadCounts(self.kv_heads, fa[i].numel(), int(fa[i].sum()), esr * fa[i].numel())
+                st.req_id: HeadCounts(
+                    self.kv_heads, fa[i].numel(), int(fa[i].sum()), esr * fa[i].numel(), self.topo.pp_rank
+                )
                 for i, st, esr in fresh
-            }
+            },
+            latency,
         )
         for i, st, esr in fresh:
             msr = omega_msr(fa[i])
@@ -740,6 +719,9 @@ class EngineState(compat.RunnerObserver):
                 force=routing_mode(st.override, st.sa_share, self.cfg.force),
                 pooled=pooled[i] if pooled is not None else None,
                 counts_heads=self.first_replica,
+                first_layer=lo,
+                pp_rank=self.topo.pp_rank,
+                last_stage=self.topo.last_stage,
             )
             observe.on_routing_final(event)
 
@@ -762,16 +744,6 @@ class EngineState(compat.RunnerObserver):
                 rid,
             )
 
-    def _global_omegas(self, local: dict[str, HeadCounts]) -> dict[str, tuple[float, float]]:
-        """The Omegas over every KV head of the requests in ``local`` (empty at TP=1: local is global)."""
-        if self.tp_size == 1:
-            return {}
-        per_rank = compat.tp_all_gather_object(local)
-        missing = [rid for rid in local if any(rid not in counts for counts in per_rank)]
-        if missing:  # would mean ranks disagree on the schedule; record what this rank has
-            logger.error("elastic: TP ranks did not all finalize the routing of %s on the same step", missing)
-        return {rid: v for rid, v in global_omegas(per_rank).items() if rid not in missing}
-
     def _esr(self, st: RequestState, modes: torch.Tensor) -> float:
         """Omega_ESR of the final head modes at the prompt length (``elastic_vllm.sparsity``). XA heads
         use the blocks their prefill selected (torch path); query blocks without a recorded selection
@@ -784,7 +756,7 @@ class EngineState(compat.RunnerObserver):
             dense = torch.ones(nb, nb, dtype=torch.bool).tril()
             masks = {}
             for layer, h in (modes == HeadMode.XA).nonzero().tolist():
-                sel = st.xa_rows.get((layer, h))
+                sel = st.xa_rows.get((layer + self.topo.layers[0], h))  # xa_rows: global layer index
                 if sel is None:
                     masks[(layer, h)] = dense
                 else:
