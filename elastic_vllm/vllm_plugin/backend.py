@@ -122,6 +122,7 @@ class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
         self._init_reorder_batch_threshold(1)
         self.state = state_mod.for_config(vllm_config)
         parallel.check_stage_layers(self.state.topo, layer_names)
+        parallel.warn_if_metrics_stay_here(vllm_config)
         sched = vllm_config.scheduler_config
         capture = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
         self.state.attach(

@@ -31,6 +31,7 @@ Who records what (see docs/scaling.md for the queries):
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,20 @@ def check_parallel_support(vllm_config) -> None:
             f"elastic: {', '.join(bad)} is not supported by the elastic attention backend: its routing tables and "
             "per-request metrics assume each rank sees whole requests with every KV block of its heads. Supported: "
             "--tensor-parallel-size, --pipeline-parallel-size, --data-parallel-size"
+        )
+
+
+def warn_if_metrics_stay_here(vllm_config) -> None:
+    """A worker started by Ray inherits PROMETHEUS_MULTIPROC_DIR only when vLLM copies it (it copies VLLM_*,
+    HF_*, ... and the names in VLLM_RAY_EXTRA_ENV_VARS_TO_COPY): without it the routing metrics this worker
+    records stay in its memory and no /metrics shows them. Warn, naming the fix (offline use may not care)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    ray = "ray" in (str(getattr(pc, "distributed_executor_backend", "")), str(getattr(pc, "data_parallel_backend", "")))
+    if ray and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        logger.warning(
+            "elastic: this Ray worker has no PROMETHEUS_MULTIPROC_DIR, so the elastic: routing metrics it records "
+            "reach no /metrics; set PROMETHEUS_MULTIPROC_DIR to a fresh folder that exists on every node and "
+            "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PROMETHEUS_MULTIPROC_DIR before `vllm serve` (docs/scaling.md)"
         )
 
 

@@ -181,3 +181,19 @@ def test_a_stage_holding_other_layers_than_vllms_split_fails():
     parallel.check_stage_layers(topo, ["model.layers.1.self_attn.attn"])
     with pytest.raises(RuntimeError, match=r"stage 1 holds attention layers 0-1, .* gives it 1-1"):
         parallel.check_stage_layers(topo, ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"])
+
+
+def test_a_ray_worker_without_the_metrics_folder_warns(monkeypatch, caplog):
+    vc = fake_vllm_config({})
+    vc.parallel_config = SimpleNamespace(distributed_executor_backend="ray")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with caplog.at_level("WARNING", logger="elastic_vllm.vllm_plugin"):
+        parallel.warn_if_metrics_stay_here(vc)
+    assert "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PROMETHEUS_MULTIPROC_DIR" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp")
+    parallel.warn_if_metrics_stay_here(vc)
+    vc.parallel_config = SimpleNamespace(distributed_executor_backend="mp")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    parallel.warn_if_metrics_stay_here(vc)
+    assert caplog.text == ""
