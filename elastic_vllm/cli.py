@@ -84,6 +84,21 @@ def _serve(a: argparse.Namespace) -> int:
     return run_serve(a.model, list(a.vllm_args))
 
 
+# --- metrics-exporter ----------------------------------------------------------------------
+def _exporter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dir", help="the Prometheus multiprocess folder of this node's workers (default: $PROMETHEUS_MULTIPROC_DIR)"
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8001, help="port of /metrics (default 8001)")
+
+
+def _exporter(a: argparse.Namespace) -> int:
+    from elastic_vllm.telemetry.exporter import run_exporter
+
+    return run_exporter(a.dir, a.host, a.port)
+
+
 # --- train-router / build-data (elastic_vllm.train.cli) ---------------------------------------
 def _train_router_args(p: argparse.ArgumentParser) -> None:
     from elastic_vllm.train.cli import train_router_args
@@ -190,6 +205,11 @@ COMMANDS = {
         "serve a model with vLLM and elastic attention (Prometheus multiprocess mode prepared)",
         _serve_args,
         _serve,
+    ),
+    "metrics-exporter": (
+        "serve this node's elastic routing metrics (workers of a multi-node deployment) over HTTP",
+        _exporter_args,
+        _exporter,
     ),
     "train-router": ("train the Attention Router on a frozen backbone", _train_router_args, _train_router),
     "build-data": ("build the task-labelled router-training mixture (JSONL)", _build_data_args, _build_data),

@@ -15,7 +15,17 @@ from elastic_vllm import cli
 from elastic_vllm.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("fetch-model", "serve", "train-router", "build-data", "eval", "bench", "convert", "demo")
+COMMANDS = (
+    "fetch-model",
+    "serve",
+    "train-router",
+    "build-data",
+    "eval",
+    "bench",
+    "convert",
+    "demo",
+    "metrics-exporter",
+)
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ import torch
 
 from elastic_vllm.config import ElasticConfig
 from elastic_vllm.vllm_plugin import observe
+from elastic_vllm.vllm_plugin.parallel import Topology
 from elastic_vllm.vllm_plugin.recording import Recorder, StepTimer
 from elastic_vllm.vllm_plugin.state import RequestState
 
@@ -26,7 +27,8 @@ def _state(rid: str, slot: int) -> RequestState:
 
 
 def _recorder(tp_size: int = 1) -> Recorder:
-    return Recorder(ElasticConfig(), "m", 0, tp_size, tuple(range(H)), True, None)
+    topo = Topology(tp_rank=0, tp_size=tp_size, pp_rank=0, pp_size=1, layers=(0, L))
+    return Recorder(ElasticConfig(), "m", topo, tuple(range(H)), True, None)
 
 
 def test_snapshot_is_recorded_when_its_step_output_is_read():
@@ -74,7 +76,7 @@ def test_tensor_parallel_records_at_the_step_end(monkeypatch):
 
     def fake_gather(obj):  # the other rank holds the other half of the heads, all FA
         gathered.append(obj)
-        other = {rid: type(c)((9,), c.heads, c.heads, 0.0) for rid, c in obj.items()}
+        other = [{rid: type(c)((9,), c.heads, c.heads, 0.0) for rid, c in stage.items()} for stage in obj]
         return [obj, other]
 
     monkeypatch.setattr(compat, "tp_all_gather_object", fake_gather)

@@ -68,3 +68,48 @@ def test_serve_argv_adds_elastic_unless_another_backend():
     assert vllm_serve_argv("m", ["--port", "1"])[-2:] == ["--attention-backend", "elastic"]
     argv = vllm_serve_argv("m", ["--attention-backend=TRITON_ATTN"])
     assert argv.count("--attention-backend") == 0 and argv[-1] == "--attention-backend=TRITON_ATTN"
+
+
+def test_earlier_pipeline_stage_counts_its_layers_only():
+    """A stage holding layers 2-3 labels its decisions with the global layer index; a stage other than the last
+    records neither the request (its Omegas are assembled on the last stage) nor the router time."""
+    labels = dict(model_name="pp", decision="SA", tp_rank="0")
+    before = {layer: _val("elastic:head_decisions_total", layer=str(layer), **labels) for layer in range(4)}
+    rec = RoutingRecord("r", "pp", torch.zeros(2, 2, dtype=torch.bool), float("nan"), float("nan"), 10, 1e-4)
+    rec.first_layer, rec.pp_last = 2, False
+    record_routing(rec)
+    got = {
+        layer: _val("elastic:head_decisions_total", layer=str(layer), **labels) - before[layer] for layer in range(4)
+    }
+    assert got == {0: 0, 1: 0, 2: 2, 3: 2}
+    assert _val("elastic:request_omega_msr_count", model_name="pp") == 0
+    assert _val("elastic:router_latency_seconds_count", model_name="pp", tp_rank="0") == 0
+    assert _val("elastic:requests_total", model_name="pp", override="auto") == 0
+
+
+def test_metrics_exporter_serves_what_another_process_wrote(tmp_path):
+    """A worker process (here a child with PROMETHEUS_MULTIPROC_DIR) records a routing; the exporter of that
+    node serves it over HTTP."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from elastic_vllm.telemetry.exporter import start_exporter
+
+    script = (
+        "import torch\nfrom elastic_vllm.telemetry.metrics import RoutingRecord, record_routing\n"
+        "record_routing(RoutingRecord('r', 'node2', torch.zeros(3, 2, dtype=torch.bool), 1.0, 0.5, 10, 1e-4))\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    server = start_exporter(tmp_path, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        server.shutdown()
+    assert 'elastic:request_omega_msr_count{model_name="node2"} 1.0' in text
+    assert 'elastic:head_decisions_total{decision="SA",layer="2",model_name="node2",tp_rank="0"} 2.0' in text
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        start_exporter(tmp_path / "missing", "127.0.0.1", 0)

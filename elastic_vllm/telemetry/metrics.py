@@ -11,9 +11,13 @@
 
 - Omega_MSR: share of KV heads (all layers, all TP ranks) routed to SA; Omega_ESR: mean pruned share
   of the causal (query, key) pairs at the request's prompt length (``elastic_vllm.sparsity``).
-- With tensor parallelism each rank routes its own KV heads: the per-request Omegas are exchanged
-  over the TP group so that they cover every KV head once; ``head_decisions_total`` is counted by
-  the rank holding each head (by the first of its replicas when tp_size > num_kv_heads).
+- With tensor parallelism each rank routes its own KV heads, with pipeline parallelism each stage its
+  own layers: the per-request Omegas are assembled on the last stage (``vllm_plugin/parallel.py``) so
+  that they cover every layer and KV head once, and recorded by its TP rank 0;
+  ``head_decisions_total`` is counted by the rank holding each (layer, head) (by the first of its
+  replicas when tp_size > num_kv_heads); ``router_latency_seconds`` by the last stage's ranks (the
+  request's router time summed over stages); ``live_requests`` by the last stage's ranks.
+- With data parallelism each replica records its own requests; the multiprocess collector sums them.
 - ``head_decisions_total{decision="FA"|"SA"}`` counts every (layer, KV head) decision once, so
   ``sum(rate(..{decision="SA"}[5m])) / sum(rate(..[5m]))`` is the fleet-wide sparsity and
   ``sum by (layer)`` the per-layer SA share.
@@ -53,6 +57,8 @@ class RoutingRecord:
     override: str = "auto"
     tp_rank: int = 0
     count_heads: bool = True  # False on a rank replicating KV heads that another rank counts
+    first_layer: int = 0  # global index of decisions' row 0 (pipeline parallelism: the stage's first layer)
+    pp_last: bool = True  # on the last pipeline stage: records the router time and (TP rank 0) the request
 
 
 class _Metrics:
@@ -93,18 +99,19 @@ class _Metrics:
             ["model_name", "tp_rank"],
             multiprocess_mode="livesum",
         )
-        self._layer_children: dict[tuple[str, str], list[tuple]] = {}
+        self._layer_children: dict[tuple[str, str, int], list[tuple]] = {}
 
-    def decision_counters(self, model_name: str, rank: str, layers: int) -> list[tuple]:
+    def decision_counters(self, model_name: str, rank: str, first_layer: int, layers: int) -> list[tuple]:
         """(FA, SA) children of ``head_decisions`` per layer, looked up once: ``labels()`` per layer and
-        request (64 for 32 layers) took 190 of a recording's 440 us on a 2-core CPU."""
-        key = (model_name, rank)
+        request (64 for 32 layers) took 190 of a recording's 440 us on a 2-core CPU. Layer labels are global
+        (a pipeline stage holds layers ``first_layer ..``)."""
+        key = (model_name, rank, first_layer)
         children = self._layer_children.get(key)
         if children is None or len(children) < layers:
             children = self._layer_children[key] = [
                 (self.decisions.labels(model_name, str(layer), "FA", rank),
                  self.decisions.labels(model_name, str(layer), "SA", rank))
-                for layer in range(layers)
+                for layer in range(first_layer, first_layer + layers)
             ]  # fmt: skip
         return children
 
@@ -127,22 +134,25 @@ def multiprocess_enabled() -> bool:
 
 
 def record_routing(rec: RoutingRecord) -> None:
-    """Record one request's final routing. Call exactly once per request and TP rank: every rank
-    counts its own KV heads in head_decisions (but a replica of heads another rank counts:
-    ``count_heads`` False); rank 0 records the per-request metrics, whose Omegas must then cover
-    every KV head of the model (``recording.global_omegas``)."""
+    """Record one request's final routing. Call exactly once per request and rank: every rank counts
+    its own KV heads of its stage's layers in head_decisions (but a replica of heads another rank
+    counts: ``count_heads`` False); the last pipeline stage records the router time, and its TP rank 0
+    the per-request metrics, whose Omegas must then cover every layer and KV head of the model
+    (``parallel.global_omegas``)."""
     m = metrics()
     rank = str(rec.tp_rank)
     if rec.count_heads:
         dec = rec.decisions.bool().cpu()
         fa_per_layer = dec.sum(dim=1).tolist()
         heads = dec.shape[1]
-        children = m.decision_counters(rec.model_name, rank, len(fa_per_layer))
+        children = m.decision_counters(rec.model_name, rank, rec.first_layer, len(fa_per_layer))
         for (fa_counter, sa_counter), n_fa in zip(children, fa_per_layer):
             if n_fa:
                 fa_counter.inc(n_fa)
             if heads - n_fa:
                 sa_counter.inc(heads - n_fa)
+    if not rec.pp_last:
+        return  # an earlier pipeline stage: its router time and the request's Omegas reach the last stage
     m.latency.labels(rec.model_name, rank).observe(rec.router_latency_s)
     if rec.tp_rank == 0:
         m.msr.labels(rec.model_name).observe(rec.omega_msr)

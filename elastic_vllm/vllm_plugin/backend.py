@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from elastic_vllm.vllm_plugin import compat, observe, warmup
+from elastic_vllm.vllm_plugin import compat, observe, parallel, warmup
 from elastic_vllm.vllm_plugin import state as state_mod
 from elastic_vllm.vllm_plugin.ops import resolve_ops, torch_attention, triton_attention
 from elastic_vllm.vllm_plugin.routing import RouteBatch
@@ -121,6 +121,8 @@ class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
         self.state = state_mod.for_config(vllm_config)
+        parallel.check_stage_layers(self.state.topo, layer_names)
+        parallel.warn_if_metrics_stay_here(vllm_config)
         sched = vllm_config.scheduler_config
         capture = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or [0]
         self.state.attach(

@@ -277,6 +277,57 @@ def tp_all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def pp_rank_and_size() -> tuple[int, int]:
+    """This rank's pipeline stage and the number of stages ((0, 1) without a distributed environment)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    try:
+        group = get_pp_group()
+    except AssertionError:  # no distributed environment (unit tests)
+        return 0, 1
+    return group.rank_in_group, group.world_size
+
+
+def pp_stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[first, end) of the decoder layers stage ``pp_rank`` holds: vLLM's own split (``make_layers`` calls
+    ``get_pp_indices``, which honours VLLM_PP_LAYER_PARTITION). Same function in 0.26 and 0.32/0.33."""
+    from vllm.distributed.utils import get_pp_indices
+
+    return tuple(get_pp_indices(num_layers, pp_rank, pp_size))  # type: ignore[return-value]
+
+
+def pp_isend_bytes(payload: bytes, dst_stage: int, tag: int) -> list[Any]:
+    """Send ``payload`` to the rank of stage ``dst_stage`` in this rank's pipeline group (same TP rank),
+    without waiting: a size message then the bytes, on the group's gloo ``cpu_group`` under ``tag`` (vLLM's
+    own pipeline messages use tag 0, so ours never match theirs). Returns what must stay alive until the
+    receiver has them: the works and their buffers."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_pp_group
+
+    group = get_pp_group()
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.long)
+    dst = group.ranks[dst_stage]
+    works = [dist.isend(t, dst=dst, group=group.cpu_group, tag=tag) for t in (size, data)]
+    return [works, size, data]
+
+
+def pp_recv_bytes(src_stage: int, tag: int) -> bytes:
+    """The next payload :func:`pp_isend_bytes` sent from stage ``src_stage`` under ``tag`` (blocking)."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_pp_group
+
+    group = get_pp_group()
+    src = group.ranks[src_stage]
+    size = torch.empty(1, dtype=torch.long)
+    dist.recv(size, src=src, group=group.cpu_group, tag=tag)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src=src, group=group.cpu_group, tag=tag)
+    return data.numpy().tobytes()
+
+
 def extract_layer_index(layer_name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index as f
 

@@ -1,7 +1,7 @@
 """Observability seam of the vLLM backend.
 
 :func:`on_routing_final` is called exactly once per request, in the worker process of each tensor-
-parallel rank, when the request's routing is final (the step whose prefill chunk completes the
+and pipeline-parallel rank, when the request's routing is final (the step whose prefill chunk completes the
 prompt; see ``state.py``). It keeps the event in a bounded in-process registry (tests read it) and
 hands it to the Prometheus metrics of ``elastic_vllm.telemetry``.
 
@@ -28,8 +28,9 @@ REGISTRY_SIZE = 4096
 
 @dataclass(frozen=True)
 class RoutingEvent:
-    """The final routing of one request on one TP rank (host tensors). ``decisions`` .. ``omega_esr``
-    cover this rank's KV heads; ``omega_*_all`` every KV head of the model (what the metrics record)."""
+    """The final routing of one request on one rank (host tensors). ``decisions`` .. ``omega_esr`` cover this
+    rank's KV heads of its pipeline stage's layers (``first_layer`` is the global index of row 0); ``omega_*_all``
+    every layer and KV head of the model (what the metrics record; NaN on stages other than the last)."""
 
     req_id: str
     model_name: str
@@ -41,13 +42,16 @@ class RoutingEvent:
     prompt_len: int
     omega_msr: float
     omega_esr: float
-    omega_msr_all: float  # over every KV head of the model, each once (TP ranks exchange head counts)
+    omega_msr_all: float  # over every layer and KV head of the model, each once (ranks exchange head counts)
     omega_esr_all: float
-    router_latency_s: float
+    router_latency_s: float  # on the last pipeline stage: summed over the stages
     override: str  # the request's own elastic_force ("auto" when absent)
     force: str  # what it ran with: its override, the server's force, or "sa-share" (elastic_sa_share)
     pooled: torch.Tensor | None = None  # float32 [L, Hkv_local, D] when ELASTIC_VLLM_RECORD_POOLED=1
     counts_heads: bool = True  # False on a rank replicating KV heads another rank counts in the metrics
+    first_layer: int = 0  # pipeline parallelism: global index of the stage's first layer
+    pp_rank: int = 0
+    last_stage: bool = True  # records the per-request metrics (its TP rank 0) and the router time
 
 
 @dataclass
@@ -95,6 +99,8 @@ def on_routing_final(event: RoutingEvent) -> None:
                 override=event.force,
                 tp_rank=event.tp_rank,
                 count_heads=event.counts_heads,
+                first_layer=event.first_layer,
+                pp_last=event.last_stage,
             )
         )
     except Exception:  # metrics must never take the engine down
@@ -113,15 +119,18 @@ def rpc_events(_worker=None) -> list[dict]:
         {
             "req_id": e.req_id,
             "tp_rank": e.tp_rank,
+            "pp_rank": e.pp_rank,
+            "first_layer": e.first_layer,
             "kv_heads": list(e.kv_heads),
             "decisions": e.decisions.tolist(),
             "logits": e.logits.tolist(),
             "omega_msr": e.omega_msr,  # this rank's heads
             "omega_esr": e.omega_esr,
-            "omega_msr_all": e.omega_msr_all,  # every head of the model, once (what /metrics records)
+            "omega_msr_all": e.omega_msr_all,  # every layer and head of the model, once (what /metrics records)
             "omega_esr_all": e.omega_esr_all,
             "counts_heads": e.counts_heads,
             "prompt_len": e.prompt_len,
+            "router_latency_s": e.router_latency_s,
         }
         for e in events()
     ]

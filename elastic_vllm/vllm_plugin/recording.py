@@ -9,8 +9,8 @@ pinned host memory, then a CUDA event); the snapshot is recorded when the step's
 (``AsyncModelRunnerOutput.get_output``: the forward is done by then, so nothing waits), or at the latest
 at the next step's end. On the CPU every copy is complete when it returns; the same queue runs.
 
-With tensor parallelism the ranks exchange per-request head counts (:func:`global_omegas`) in a
-collective that must run in the same order on every rank, on the thread that runs the steps: there the
+With tensor or pipeline parallelism the ranks exchange per-request head counts (``parallel.OmegaExchange``)
+in messages that must run in the same order on every rank, on the thread that runs the steps: there the
 snapshot is recorded at the step end (the exchange waits for the copy anyway).
 """
 
@@ -27,42 +27,14 @@ import torch
 
 from elastic_vllm.config import ElasticConfig, HeadMode
 from elastic_vllm.sparsity import omega_esr, omega_msr
-from elastic_vllm.vllm_plugin import compat, observe
+from elastic_vllm.vllm_plugin import observe
 from elastic_vllm.vllm_plugin.overrides import routing_mode
+from elastic_vllm.vllm_plugin.parallel import HeadCounts, OmegaExchange, Topology
 
 if TYPE_CHECKING:
     from elastic_vllm.vllm_plugin.state import RequestState
 
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
-
-
-@dataclass(frozen=True)
-class HeadCounts:
-    """One request's final routing on one TP rank, reduced to what the Omegas over all ranks need."""
-
-    kv_heads: tuple[int, ...]  # global KV heads of the rank (replicas hold the same tuple)
-    heads: int  # (layer, KV head) pairs: num_layers * len(kv_heads)
-    fa: int  # of them routed to FA
-    esr_sum: float  # sum over them of the pruned share of causal pairs (Omega_ESR * heads)
-
-
-def global_omegas(per_rank: list[dict[str, HeadCounts]]) -> dict[str, tuple[float, float]]:
-    """(Omega_MSR, Omega_ESR) of each request over every global KV head counted once, from the
-    HeadCounts each TP rank reported (``per_rank[r]``: req_id -> counts of rank r). Ranks that hold
-    the same KV heads (replicas, tp_size > num_kv_heads) count once: the first one reporting them."""
-    out: dict[str, tuple[float, float]] = {}
-    for rid in dict.fromkeys(rid for counts in per_rank for rid in counts):
-        seen: set[tuple[int, ...]] = set()
-        heads = fa = 0
-        esr = 0.0
-        for counts in per_rank:
-            c = counts.get(rid)
-            if c is None or c.kv_heads in seen:
-                continue
-            seen.add(c.kv_heads)
-            heads, fa, esr = heads + c.heads, fa + c.fa, esr + c.esr_sum
-        out[rid] = ((heads - fa) / heads, esr / heads)
-    return out
 
 
 class StepTimer:
@@ -127,15 +99,17 @@ class Recorder:
         self,
         cfg: ElasticConfig,
         model_name: str,
-        tp_rank: int,
-        tp_size: int,
+        topo: Topology,
         kv_heads: tuple[int, ...],
         first_replica: bool,
         router_path: str | None,
     ) -> None:
         self.cfg = cfg
         self.model_name = model_name
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.topo = topo
+        self.tp_rank = topo.tp_rank
+        self.exchange = OmegaExchange(topo)
+        self.sync = topo.tp_size > 1 or topo.pp_size > 1  # the exchange runs on the step thread, in step order
         self.kv_heads = kv_heads
         self.first_replica = first_replica
         self.router_path = router_path
@@ -146,15 +120,21 @@ class Recorder:
 
     def snapshot(self, states: list[RequestState], tables: tuple, timer: StepTimer, step: int) -> None:
         """Queue the final routings of ``states`` (their ``table_slot`` rows of ``tables`` = (fa, modes,
-        logits, pooled or None)); with tensor parallelism, record them now."""
+        logits, pooled or None), this pipeline stage's layers); with tensor / pipeline parallelism, record
+        them now."""
         fa, modes, logits, pooled = tables
         slots = torch.tensor([st.table_slot for st in states], dtype=torch.long).to(fa.device, non_blocking=True)
+        lo, hi = self.topo.layers  # every layer without pipeline parallelism
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return _to_host(t.index_select(0, slots)[:, lo:hi])
+
         snap = Snapshot(
             states=states,
-            fa=_to_host(fa.index_select(0, slots)),
-            modes=_to_host(modes.index_select(0, slots)),
-            logits=_to_host(logits.index_select(0, slots)),
-            pooled=_to_host(pooled.index_select(0, slots)) if pooled is not None else None,
+            fa=rows(fa),
+            modes=rows(modes),
+            logits=rows(logits),
+            pooled=rows(pooled) if pooled is not None else None,
             ready=None,
             timer=timer,
             step=step,
@@ -164,7 +144,7 @@ class Recorder:
             snap.ready.record()
         with self.lock:
             self.queue.append(snap)
-        if self.tp_size > 1:
+        if self.sync:
             self.drain()
 
     def drain(self, upto: int | None = None) -> None:
@@ -202,11 +182,14 @@ class Recorder:
             st.xa_rows.clear()
         if not fresh:
             return
-        omegas = self._global_omegas(
+        omegas, latency = self.exchange.omegas(
             {
-                st.req_id: HeadCounts(self.kv_heads, fa[i].numel(), int(fa[i].sum()), esr * fa[i].numel())
+                st.req_id: HeadCounts(
+                    self.kv_heads, fa[i].numel(), int(fa[i].sum()), esr * fa[i].numel(), self.topo.pp_rank
+                )
                 for i, st, esr in fresh
-            }
+            },
+            latency,
         )
         for i, st, esr in fresh:
             msr = omega_msr(fa[i])
@@ -230,6 +213,9 @@ class Recorder:
                     force=routing_mode(st.override, st.sa_share, self.cfg.force),
                     pooled=pooled[i] if pooled is not None else None,
                     counts_heads=self.first_replica,
+                    first_layer=self.topo.layers[0],
+                    pp_rank=self.topo.pp_rank,
+                    last_stage=self.topo.last_stage,
                 )
             )
 
@@ -252,16 +238,6 @@ class Recorder:
                 rid,
             )
 
-    def _global_omegas(self, local: dict[str, HeadCounts]) -> dict[str, tuple[float, float]]:
-        """The Omegas over every KV head of the requests in ``local`` (empty at TP=1: local is global)."""
-        if self.tp_size == 1:
-            return {}
-        per_rank = compat.tp_all_gather_object(local)
-        missing = [rid for rid in local if any(rid not in counts for counts in per_rank)]
-        if missing:  # would mean ranks disagree on the schedule; record what this rank has
-            logger.error("elastic: TP ranks did not all finalize the routing of %s on the same step", missing)
-        return {rid: v for rid, v in global_omegas(per_rank).items() if rid not in missing}
-
     def _esr(self, st: RequestState, modes: torch.Tensor) -> float:
         """Omega_ESR of the final head modes at the prompt length (``elastic_vllm.sparsity``). XA heads
         use the blocks their prefill selected (torch path); query blocks without a recorded selection
@@ -274,7 +250,7 @@ class Recorder:
             dense = torch.ones(nb, nb, dtype=torch.bool).tril()
             masks = {}
             for layer, h in (modes == HeadMode.XA).nonzero().tolist():
-                sel = st.xa_rows.get((layer, h))
+                sel = st.xa_rows.get((layer + self.topo.layers[0], h))  # xa_rows: global layer index
                 if sel is None:
                     masks[(layer, h)] = dense
                 else:

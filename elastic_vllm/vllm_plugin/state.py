@@ -62,7 +62,7 @@ from elastic_vllm.router.checkpoint import (
     read_meta,
 )
 from elastic_vllm.router.checkpoint import _sha256 as checkpoint_sha256
-from elastic_vllm.vllm_plugin import compat, observe
+from elastic_vllm.vllm_plugin import compat, observe, parallel
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import (
     check_allowed,
@@ -199,8 +199,8 @@ VLLM_WARMUP_REQ_ID = re.compile(r"_warmup_\d+_|_v2_mixed_warmup_(?:decode|prefil
 
 
 def check_model_support(vllm_config) -> None:
-    """The model features the backend needs (NeoX RoPE, no speculative decoding); a ConfigError naming the one
-    missing. Run by the API-server precheck and again by the engine."""
+    """The model features the backend needs (NeoX RoPE, no speculative decoding, a supported parallel mode); a
+    ConfigError naming the one missing. Run by the API-server precheck and again by the engine."""
     hf = vllm_config.model_config.hf_config
     text = getattr(hf, "text_config", None) or hf
     model_type = getattr(text, "model_type", "unknown")
@@ -211,6 +211,7 @@ def check_model_support(vllm_config) -> None:
         )
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ConfigError("elastic: speculative decoding is not supported by the elastic attention backend")
+    parallel.check_parallel_support(vllm_config)
 
 
 def is_vllm_warmup_request(req_id: str) -> bool:
@@ -280,6 +281,7 @@ class EngineState(compat.RunnerObserver):
         if len(self.kv_heads) != self.num_kv_heads:
             raise RuntimeError(f"elastic: rank holds {self.num_kv_heads} KV heads, expected {len(self.kv_heads)}")
         self.first_replica = is_first_replica(self.tp_rank, self.tp_size, self.shape.num_kv_heads)
+        self.topo = parallel.topology(self.num_layers)  # pipeline stage: the layers [first, end) it routes
         self.device = torch.device(vllm_config.device_config.device)
         self.ops = resolve_ops(ops_requested, self.device)
         if self.ops == "triton":
@@ -312,15 +314,14 @@ class EngineState(compat.RunnerObserver):
         self._live_published = -1  # last value of the elastic:live_requests gauge
         self.step_id = 0  # execute_model calls with a scheduler output (the recorder's step order)
         self.recorder = Recorder(
-            self.cfg, self.model_name, self.tp_rank, self.tp_size, self.kv_heads, self.first_replica, self.router_path
+            self.cfg, self.model_name, self.topo, self.kv_heads, self.first_replica, self.router_path
         )
         logger.info(
-            "elastic attention: %s, router %s, ops=%s, tp %d/%d (KV heads %s)",
+            "elastic attention: %s, router %s, ops=%s, %s, KV heads %s",
             self.cfg.model_dump(exclude={"router_path"}),
             self.router_path or f"none (force {self.cfg.force})",
             self.ops,
-            self.tp_rank,
-            self.tp_size,
+            self.topo.describe(),
             list(self.kv_heads),
         )
 
@@ -400,8 +401,8 @@ class EngineState(compat.RunnerObserver):
 
     def _publish_live(self) -> None:
         """elastic:live_requests = requests holding state here (0 when idle); metrics never take the engine down."""
-        if len(self.requests) == self._live_published:
-            return
+        if len(self.requests) == self._live_published or not self.topo.last_stage:
+            return  # every pipeline stage holds the same requests: the last one publishes them
         self._live_published = len(self.requests)
         try:
             from elastic_vllm.telemetry.metrics import set_live_requests
@@ -415,9 +416,9 @@ class EngineState(compat.RunnerObserver):
 
     def on_step_end(self, failed: bool = False) -> None:
         try:
-            if failed and self.tp_size > 1:
+            if failed and (self.tp_size > 1 or self.topo.pp_size > 1):
                 # the engine is going down; a rank that failed before its forward must not wait in the
-                # TP gather of flush() for ranks that never reach it
+                # TP gather or the stage exchange of the recording for ranks that never reach it
                 for st in self.requests.values():
                     st.pending = False
             else:

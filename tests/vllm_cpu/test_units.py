@@ -422,6 +422,19 @@ class _RankSim:
         return self.sim.key_cache(layer)[:, :, self.h0 : self.h0 + self.n]
 
 
+def two_requests_split_router(tmp_path):
+    """Requests A (300 tokens) and B (40) in a PagedSim, and the config of a router that splits them: layer 0
+    routes A to FA and B to SA, layer 1 routes head 0 FA and head 1 SA (so ranks' own shares differ)."""
+    torch.manual_seed(0)
+    lens = {"A": 300, "B": 40}
+    rope = RopeSpec.from_hf_config(fake_vllm_config({}).model_config.hf_config)
+    sim = PagedSim(lens, rope)
+    pooled = torch.stack([torch.stack([pool_keys(k[:n], "boundary", 8) for k in sim.pre[q]]) for q, n in lens.items()])
+    rules = {0: prompt_splitting_rule(pooled[0, 0, 0], pooled[1, 0, 0]), 1: head_selecting_rules(pooled, [(1, 0)])[1]}
+    path = save_test_router(linear_router(L, D, rules), tmp_path / "r", HKV)
+    return sim, {"elastic": {"router_path": str(path), "pool_tokens": 8, "sink": 4, "window": 32}}
+
+
 @pytest.mark.parametrize(
     "tp,kv",
     [(2, [(0, 0), (1, 1)]), (4, [(0, 0), (0, 0), (1, 1), (1, 1)])],  # (first, last) head; tp 4: 2 replicas per head
@@ -438,15 +451,7 @@ def test_tensor_parallel_omegas_count_every_head_once(tmp_path, monkeypatch, tp,
 
     from elastic_vllm.vllm_plugin import compat
 
-    torch.manual_seed(0)
-    lens = {"A": 300, "B": 40}
-    rope = RopeSpec.from_hf_config(fake_vllm_config({}).model_config.hf_config)
-    sim = PagedSim(lens, rope)
-    pooled = torch.stack([torch.stack([pool_keys(k[:n], "boundary", 8) for k in sim.pre[q]]) for q, n in lens.items()])
-    # layer 0: A FA, B SA at head 0; layer 1: head 0 FA, head 1 SA -> the ranks' own shares differ
-    rules = {0: prompt_splitting_rule(pooled[0, 0, 0], pooled[1, 0, 0]), 1: head_selecting_rules(pooled, [(1, 0)])[1]}
-    path = save_test_router(linear_router(L, D, rules), tmp_path / "r", HKV)
-    cfg = {"elastic": {"router_path": str(path), "pool_tokens": 8, "sink": 4, "window": 32}}
+    sim, cfg = two_requests_split_router(tmp_path)
     rank = threading.local()
     contributions: list = [None] * tp
     barrier = threading.Barrier(tp, timeout=60)
@@ -522,7 +527,7 @@ def test_tensor_parallel_omegas_count_every_head_once(tmp_path, monkeypatch, tp,
 
 
 def test_global_omegas_dedupes_replicas():
-    from elastic_vllm.vllm_plugin.recording import HeadCounts, global_omegas
+    from elastic_vllm.vllm_plugin.parallel import HeadCounts, global_omegas
     from elastic_vllm.vllm_plugin.state import is_first_replica
 
     # 4 ranks, 2 KV heads x 3 layers, each head on 2 ranks; request "a": head 0 all FA, head 1 all SA
@@ -535,6 +540,9 @@ def test_global_omegas_dedupes_replicas():
     # unequal shards weigh by head count; requests missing on a rank use the ranks that have them
     b = global_omegas([{"x": HeadCounts((0, 1), 4, 1, 0.0), "y": a0}, {"x": HeadCounts((2,), 2, 2, 0.0)}])
     assert b["x"] == (0.5, 0.0) and b["y"] == (0.0, 0.0)
+    # pipeline stages hold different layers: the same KV heads on two stages are two sets of heads, not replicas
+    s0, s1 = HeadCounts((0,), 3, 3, 0.0, stage=0), HeadCounts((0,), 3, 0, 3 * 0.9, stage=1)
+    assert global_omegas([{"a": s0}, {"a": s1}]) == {"a": (0.5, pytest.approx(0.45))}
 
 
 def test_startup_errors_name_the_fix(tmp_path, monkeypatch):

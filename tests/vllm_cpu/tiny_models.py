@@ -21,11 +21,13 @@ TINY = {
 }  # fmt: skip
 
 
-def build_tiny_model(kind: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_tiny_model(kind: str, out: Path, tokenizer_dir: Path, seed: int = 0, num_layers: int | None = None) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     spec = dict(TINY[kind])
     spec.pop("arch")
+    if num_layers is not None:  # pipeline-parallel tests: 2 layers per stage
+        spec["num_hidden_layers"] = num_layers
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     common = dict(
         vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
