@@ -510,7 +510,7 @@ def make_router(spec: dict, shape, work: Path, backbone_id: str) -> Path:
 
 def demo_router(spec: dict, model_dir: Path, work: Path) -> tuple[str, str]:
     from elastic_vllm.router.checkpoint import BackboneShape
-    from elastic_vllm.vllm_plugin.state import find_shipped_router
+    from elastic_vllm.router.discovery import find_shipped_router
 
     if spec.get("demo_router"):
         return spec["demo_router"], "given (--demo-router)"

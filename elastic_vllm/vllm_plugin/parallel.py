@@ -45,6 +45,22 @@ logger = logging.getLogger("elastic_vllm.vllm_plugin")
 PP_TAG = 0x454C
 
 
+def global_kv_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> list[int]:
+    """Global index of each KV head this rank holds (vLLM's QKVParallelLinear sharding):
+    local head j -> shard_rank * num_local + j, shard_rank = tp_rank // replicas; when
+    tp_size > total_kv_heads every head is replicated on tp_size // total_kv_heads ranks."""
+    replicas = max(1, tp_size // total_kv_heads)
+    num_local = max(1, total_kv_heads // tp_size)
+    shard = tp_rank // replicas
+    return [shard * num_local + j for j in range(num_local)]
+
+
+def is_first_replica(tp_rank: int, tp_size: int, total_kv_heads: int) -> bool:
+    """True on the first of the ranks holding the same KV heads (every rank when none is replicated):
+    the rank that counts those heads in per-head metrics."""
+    return tp_rank % max(1, tp_size // total_kv_heads) == 0
+
+
 @dataclass(frozen=True)
 class HeadCounts:
     """One request's final routing on one rank, reduced to what the Omegas over all ranks need."""

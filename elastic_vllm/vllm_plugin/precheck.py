@@ -102,9 +102,10 @@ def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
     import torch
 
     from elastic_vllm.router.checkpoint import BackboneShape, load_router
+    from elastic_vllm.router.discovery import resolve_router_path
     from elastic_vllm.vllm_plugin import compat
     from elastic_vllm.vllm_plugin.ops import resolve_ops
-    from elastic_vllm.vllm_plugin.state import check_model_support, parse_additional_config, resolve_router_path
+    from elastic_vllm.vllm_plugin.state import check_model_support, parse_additional_config
 
     cfg, ops_requested = parse_additional_config(vllm_config)
     device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"
@@ -160,7 +161,7 @@ def check_serve_args(model: str, extra: list[str]) -> None:
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
         return
     from elastic_vllm.router.checkpoint import BackboneShape, load_router
-    from elastic_vllm.vllm_plugin.state import resolve_router_path
+    from elastic_vllm.router.discovery import resolve_router_path
 
     try:
         shape = BackboneShape.from_hf_config(hf)

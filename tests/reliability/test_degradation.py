@@ -57,8 +57,10 @@ def test_router_with_nan_output_runs_fa_and_is_counted(caplog):
     from elastic_vllm.reference.rope import RopeSpec
     from elastic_vllm.router.model import ElasticRouter
     from elastic_vllm.vllm_plugin import observe
+    from elastic_vllm.vllm_plugin.parallel import Topology
+    from elastic_vllm.vllm_plugin.recording import Recorder
     from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch, route_layer
-    from elastic_vllm.vllm_plugin.state import EngineState, RequestState
+    from elastic_vllm.vllm_plugin.state import RequestState
 
     router = ElasticRouter(2, 8)
     with torch.no_grad():
@@ -71,12 +73,12 @@ def test_router_with_nan_output_runs_fa_and_is_counted(caplog):
     assert per_layer[1][1].all(), "NaN logits must give FA"
     logits = torch.stack([out[0][0] for out in per_layer])[None]  # [1 request, L, H, 2]
 
-    state = SimpleNamespace(_warned_nonfinite=False, router_path="r")
+    recorder = Recorder(cfg, "m", Topology(layers=(0, 2)), (0, 1), True, "r")
     pending = [RequestState("req-1", 40, "auto", "auto")]
     before = observe.COUNTERS.nonfinite_router_heads
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        EngineState._count_nonfinite(state, pending, logits)
-        EngineState._count_nonfinite(state, pending, logits)
+        recorder._count_nonfinite(pending, logits)
+        recorder._count_nonfinite(pending, logits)
     assert observe.COUNTERS.nonfinite_router_heads - before == 2 * 2  # 2 heads of layer 1, twice
     warnings = [r for r in caplog.records if "NaN / inf logits" in r.getMessage()]
     assert len(warnings) == 1 and "req-1" in warnings[0].getMessage()
@@ -138,7 +140,7 @@ def test_router_trained_with_other_sink_window_warns(caplog):
 
 
 def test_copies_of_the_shipped_router_resolve_by_search_order(tmp_path, monkeypatch, caplog):
-    from elastic_vllm.vllm_plugin.state import ROUTER_DIR_ENV, find_shipped_router, resolve_router_path
+    from elastic_vllm.router.discovery import ROUTER_DIR_ENV, find_shipped_router, resolve_router_path
 
     env_dir, cwd = tmp_path / "env", tmp_path / "cwd"
     shutil.copytree(SHIPPED, env_dir / "copy-in-env")
@@ -154,7 +156,7 @@ def test_copies_of_the_shipped_router_resolve_by_search_order(tmp_path, monkeypa
 
 
 def test_different_routers_for_one_model_still_refuse(tmp_path, monkeypatch):
-    from elastic_vllm.vllm_plugin.state import ROUTER_DIR_ENV, find_shipped_router
+    from elastic_vllm.router.discovery import ROUTER_DIR_ENV, find_shipped_router
 
     other = save_router(tmp_path / "env" / "other", seed=3)  # same backbone id and shape, other weights
     monkeypatch.setenv(ROUTER_DIR_ENV, str(tmp_path / "env"))

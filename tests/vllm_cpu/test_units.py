@@ -23,8 +23,9 @@ from elastic_vllm.router.model import ElasticRouter, decide, pool_keys
 from elastic_vllm.vllm_plugin import observe
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops, torch_attention
 from elastic_vllm.vllm_plugin.overrides import effective_force, request_override
+from elastic_vllm.vllm_plugin.parallel import global_kv_heads
 from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch, decode_modes, route_layer
-from elastic_vllm.vllm_plugin.state import EngineState, global_kv_heads
+from elastic_vllm.vllm_plugin.state import EngineState
 
 from .routers import head_selecting_rules, linear_router, prompt_splitting_rule, save_test_router
 
@@ -527,8 +528,7 @@ def test_tensor_parallel_omegas_count_every_head_once(tmp_path, monkeypatch, tp,
 
 
 def test_global_omegas_dedupes_replicas():
-    from elastic_vllm.vllm_plugin.parallel import HeadCounts, global_omegas
-    from elastic_vllm.vllm_plugin.state import is_first_replica
+    from elastic_vllm.vllm_plugin.parallel import HeadCounts, global_omegas, is_first_replica
 
     # 4 ranks, 2 KV heads x 3 layers, each head on 2 ranks; request "a": head 0 all FA, head 1 all SA
     a0, a1 = HeadCounts((0,), 3, 3, 0.0), HeadCounts((1,), 3, 0, 3 * 0.9)
@@ -548,7 +548,7 @@ def test_global_omegas_dedupes_replicas():
 def test_startup_errors_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_VLLM_ROUTER_WEIGHTS", str(tmp_path / "none"))
     monkeypatch.chdir(tmp_path)
-    import elastic_vllm.vllm_plugin.state as state_mod
+    import elastic_vllm.router.discovery as state_mod
 
     monkeypatch.setattr(state_mod, "router_search_dirs", lambda: [tmp_path / "none"])
     with pytest.raises(ConfigError, match=r"no router for tiny .*router_path.*force"):
@@ -571,7 +571,7 @@ def test_the_default_shipped_router_is_found_beside_the_alternatives(monkeypatch
     backbone id) is not a second match, and it still loads as a router for that backbone."""
     from pathlib import Path
 
-    import elastic_vllm.vllm_plugin.state as state_mod
+    import elastic_vllm.router.discovery as state_mod
     from elastic_vllm.router.checkpoint import load_router, read_meta
 
     root = Path(__file__).resolve().parents[2] / "router_weights"
