@@ -39,7 +39,7 @@ from _gpu_common import (  # noqa: E402
     bootstrap,
     chunked_reference,
     decode_visible_tokens,
-    env_info,
+    environment,
     make_paged,
     ssa_visible_pairs,
     write_json,
@@ -1025,7 +1025,7 @@ def main() -> int:
     DT = torch.float16 if ARGS.cpu_dry else torch.bfloat16
     if ARGS.cpu_dry:
         SINK, WINDOW = 16, 100  # toy sequences: keep the SSA mask non-trivial
-    REPORT.update({"env": env_info(), "config": {"Hq": HQ, "Hkv": HKV, "sink": SINK, "window": WINDOW,
+    REPORT.update({"env": environment(), "config": {"Hq": HQ, "Hkv": HKV, "sink": SINK, "window": WINDOW,
                    "block_size_default": BS, "dtype": str(DT), "quick": ARGS.quick, "budget_s": None if ARGS.budget == float("inf") else ARGS.budget}})  # fmt: skip
     log(REPORT["env"])
     save()

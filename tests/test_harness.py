@@ -1,4 +1,5 @@
-"""elastic_vllm.source_tree: a bare checkout's csrc/ as elastic_vllm.csrc (the GPU machine's copy of the tree)."""
+"""benchmarks/_harness.use_source_kernels: a bare checkout's csrc/ as elastic_vllm.csrc (the GPU machine's copy of
+the tree, where nothing is pip-installed)."""
 
 import subprocess
 import sys
@@ -6,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_vllm.source_tree import use_source_kernels
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _harness import use_source_kernels  # noqa: E402
 
 
 def test_maps_the_given_tree_even_when_another_csrc_is_installed(tmp_path):
@@ -17,7 +18,8 @@ def test_maps_the_given_tree_even_when_another_csrc_is_installed(tmp_path):
     (tmp_path / "csrc" / "prefill.py").write_text("WHO = 'other prefill'\n")
     code = (
         "import elastic_vllm.csrc as before, sys\n"
-        "from elastic_vllm.source_tree import use_source_kernels\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "from _harness import use_source_kernels\n"
         f"use_source_kernels({str(tmp_path)!r})\n"
         "import elastic_vllm.csrc as c\n"
         "from elastic_vllm.csrc import prefill\n"
