@@ -170,13 +170,14 @@ def quantiles(samples: list[float]) -> dict:
     return {"median": med, "p20": s[len(s) // 5], "p80": s[min(len(s) - 1, (4 * len(s)) // 5)], "min": s[0]}
 
 
-def bench(fn, est_ms: float | None = None, min_reps: int = 3) -> dict:
+def bench(fn, est_ms: float | None = None, min_reps: int = 3, cuda: bool | None = None) -> dict:
     """ms of ``fn`` on the GPU: triton.testing.do_bench median and p20/p80, >= 100 ms of repetitions and at least
-    ``min_reps`` calls (slow calls: the spread was < 1% on the H200), warm-up <= 0.5 s. Without CUDA one timed
-    call (plumbing runs under the Triton interpreter: the number means nothing)."""
+    ``min_reps`` calls (slow calls: the spread was < 1% on the H200), warm-up <= 0.5 s. Off the GPU (``cuda``
+    False, default: whether CUDA is available) one timed call: plumbing runs under the Triton interpreter, where
+    the number means nothing."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not (torch.cuda.is_available() if cuda is None else cuda):
         t = time.perf_counter()
         fn()
         ms = (time.perf_counter() - t) * 1e3

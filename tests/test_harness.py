@@ -37,3 +37,44 @@ def test_maps_the_given_tree_even_when_another_csrc_is_installed(tmp_path):
 def test_refuses_a_folder_without_kernels(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a source checkout"):
         use_source_kernels(tmp_path)
+
+
+def test_run_record_names_the_commit_given_by_the_device_caller(monkeypatch):
+    from _harness import environment
+
+    monkeypatch.setenv("GIT_COMMIT", "feedbeef")
+    env = environment(("torch", "no_such_module_here"), argv=["python3", "benchmarks/x.py", "--out", "a b.json"])
+    assert env["git_commit"] == "feedbeef" and env["git_commit_from"] == "GIT_COMMIT" and env["git_dirty"] is None
+    assert env["command"] == "python3 benchmarks/x.py --out 'a b.json'"
+    assert env["torch"] and env["gpu"] and env["no_such_module_here"].startswith("unavailable (")
+    assert len(env["csrc_sha256"]) == 64
+
+
+def test_quantiles_and_atomic_json(tmp_path):
+    from _harness import quantiles, write_json
+
+    assert quantiles([5.0, 1.0, 3.0]) == {"median": 3.0, "p20": 1.0, "p80": 5.0, "min": 1.0}
+    assert quantiles([4.0, 1.0, 2.0, 3.0])["median"] == 2.5
+    with pytest.raises(ValueError, match="no samples"):
+        quantiles([])
+    out = tmp_path / "sub" / "r.json"
+    write_json(out, {"a": Path("/x")})
+    assert out.read_text() == '{\n "a": "/x"\n}' and not list(out.parent.glob("*.tmp"))
+
+
+def test_correctness_gate_follows_the_flash_attention_rule():
+    import torch
+    from _harness import gate
+
+    ref = torch.zeros(4)
+    base = torch.tensor([0.0, 0.01, 0.0, 0.0])  # PyTorch in the kernel's dtype: error 0.01 -> bound 0.021
+    assert gate(torch.tensor([0.0, 0.0, 0.02, 0.0]), ref, base)["ok"]
+    assert not gate(torch.tensor([0.0, 0.0, 0.03, 0.0]), ref, base)["ok"]
+    assert not gate(torch.tensor([0.0, float("nan"), 0.0, 0.0]), ref, base)["ok"]
+
+
+def test_a_baseline_server_takes_no_elastic_settings():
+    from elastic_vllm.server import ServeProcess
+
+    with pytest.raises(ValueError, match="need backend 'elastic'"):
+        ServeProcess("model", elastic={"sink": 16}, backend="CPU_ATTN")
