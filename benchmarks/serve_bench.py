@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import ROOT, environment, log, write_json
+from _harness import ROOT, environment, log, provenance, write_json
 from e2e_vllm import LLAMA_8B, TINY  # the model shapes of the e2e benchmark
 
 K = 1024
@@ -310,10 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", action="store_true", help="run nothing: compare the --merge files and write --out")
     p.add_argument("--dry", action="store_true", help="CPU plumbing check: tiny shapes")
     a = p.parse_args(argv)
+    if a.report:  # nothing runs: no torch import (the baseline is the merged files')
+        cuda = False
+    else:
+        import torch
 
-    import torch
-
-    cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available()
     table = DRY if a.dry else WORKLOADS
     names = [w for w in (a.workloads.split(",") if a.workloads else table) if w in table]
     baseline = a.baseline or ("FLASH_ATTN" if cuda else "CPU_ATTN")
@@ -368,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         results[label] = serve_and_run(label, model, name, backend, [*common, *args], wl, table, work, env,
                                        startup_s=900)  # fmt: skip
     rows = compare(results, table)
-    env_rec = environment(("torch", "triton", "vllm", "transformers"), ["python3", "benchmarks/serve_bench.py", *argv])
+    cmd = ["python3", "benchmarks/serve_bench.py", *argv]
+    # --report runs nothing: its record is the command (the runs' machine and versions come from their files)
+    env_rec = provenance(cmd) if a.report else environment(("torch", "triton", "vllm", "transformers"), cmd)
     if a.report and a.merge:  # the machine and versions are the runs', the command is this report's
         first = json.loads(a.merge[0].read_text())
         baseline = first["baseline"]
