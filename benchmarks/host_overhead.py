@@ -20,16 +20,15 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _harness import ROOT, environment, write_json
+
 sys.path.insert(0, str(ROOT))
 os.environ.pop("TRITON_INTERPRET", None)  # the launchers' GPU-path config, not the interpreter's
 
-import torch  # noqa: E402
+import torch
 
 
 class _NoLaunch:
@@ -134,25 +133,18 @@ def main() -> int:
     one = torch.zeros(1, dtype=torch.int32)
     rows["Router.__call__ (2 launches)"] = _time(lambda: r(k, bt, one, sl, one, 3), args.calls, args.repeats)
     rows.update(_glue_rows(route, ElasticRouter(L, d), k, L, hkv, d, bs, args))
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
+    env = environment(("torch",))
     report = {
         "what": "host Python time per launcher call (us), Triton launch stubbed out; median of repeats",
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
-        "git_commit": os.environ.get("GIT_COMMIT") or commit,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "env": env,
+        "git_commit": env["git_commit"],
+        "command": env["command"],
         "shape": {"S": S, "Hq": hq, "Hkv": hkv, "d": d, "block_size": bs, "decode_batch": B, "layers": L},
         "us_per_call": {k_: round(v_, 1) for k_, v_ in rows.items()},
     }
     print(json.dumps(report["us_per_call"]))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    write_json(args.out, report)
     return 0
 
 

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from _harness import ROOT, environment, write_json
+
 MIXES = {  # name -> requests of each mode per document
     "auto only": {"auto": 10},
     "80% auto, 10% all-FA, 10% all-SA": {"auto": 8, "all-FA": 1, "all-SA": 1},
@@ -46,7 +48,7 @@ def main() -> None:
     from elastic_vllm.models import fetch_demo_model
     from elastic_vllm.server import ServeProcess, metric_value
 
-    repo = Path(a.repo or Path(__file__).resolve().parents[1]).resolve()
+    repo = Path(a.repo or ROOT).resolve()
     commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     env = {"PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     rng = random.Random(0)
@@ -74,10 +76,11 @@ def main() -> None:
             rows.append({"mix": name, "requests_per_doc": counts, "docs": a.docs, "hit_tokens": hits,
                          "query_tokens": queries, "hit_rate": round(hits / queries, 4), "seconds": round(time.time() - t0, 1)})  # fmt: skip
             print(f"{name:<36} hit rate {hits / queries:.3f} ({hits:.0f} / {queries:.0f} tokens)", file=sys.stderr)
-    report = {"repo": str(repo), "commit": commit.stdout.strip(), "prefix": a.prefix, "suffix": a.suffix, "mixes": rows}
+    # "commit": the checkout the server ran (--repo), env.git_commit: this script's
+    report = {"repo": str(repo), "commit": commit.stdout.strip(), "prefix": a.prefix, "suffix": a.suffix, "mixes": rows,
+              "env": environment(("torch", "vllm"))}  # fmt: skip
     print(json.dumps(report, indent=1))
-    if a.out:
-        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(a.out, report)
 
 
 if __name__ == "__main__":

@@ -25,23 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from e2e_vllm import LLAMA_8B, TINY  # noqa: E402  (the model shapes of the e2e benchmark)
+from _harness import ROOT, environment, log, provenance, write_json
+from e2e_vllm import LLAMA_8B, TINY  # the model shapes of the e2e benchmark
 
-T0 = time.time()
 K = 1024
-CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 JIT_MARK = "during inference"
 
 # name: model, prompt / output tokens, prompts, concurrency, request override, the baseline row it is compared with
@@ -61,42 +54,6 @@ DRY = {  # --dry: the same plumbing at CPU size
     "32k": dict(model="llama", input=160, output=4, prompts=2, concurrency=1),
 }
 SHARE = 0.75  # Omega_MSR of the Llama-shape elastic server: whole layers to SA
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
-
-
-def sh(*a: str) -> str:
-    try:
-        return subprocess.run(a, capture_output=True, text=True, timeout=20, cwd=ROOT).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def environment(argv: list[str]) -> dict:
-    import torch
-
-    env = {
-        "command": " ".join(["python3", "benchmarks/serve_bench.py", *argv]),
-        "git_commit": os.environ.get("GIT_COMMIT") or sh("git", "rev-parse", "--short", "HEAD") or "unknown",
-        "git_dirty": bool(sh("git", "status", "--porcelain", "--untracked-files=no")),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-    }
-    for mod in ("vllm", "triton", "transformers"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception as e:
-            env[mod] = f"unavailable ({type(e).__name__})"
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["gpu_count"] = torch.cuda.device_count()
-    else:
-        env["gpu"] = "none (CPU)"
-    return env
 
 
 # --- models ---------------------------------------------------------------------------------------------
@@ -146,70 +103,8 @@ def fixed_share_router(model_dir: Path, work: Path, share: float) -> Path:
     return save_router(r, work / f"router-share-{share}", meta)
 
 
-# --- server and client ----------------------------------------------------------------------------------
-class Server:
-    """``vllm serve`` in its own process group; its log is read between bursts."""
-
-    def __init__(self, model: Path, name: str, backend: str, args: list[str], env: dict, log_path: Path):
-        self.port = _free_port()
-        self.name = name
-        self.log_path = log_path
-        argv = [*CLI, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port)]
-        argv += ["--served-model-name", name, "--attention-backend", backend, "--jit-monitor-verbose", *args]
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.t0 = time.time()
-        self.argv = argv
-
-    def wait_ready(self, timeout_s: float) -> float:
-        while time.time() - self.t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.time() - self.t0
-            except OSError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def log_size(self) -> int:
-        self._log.flush()
-        return self.log_path.stat().st_size
-
-    def log_since(self, offset: int) -> str:
-        with open(self.log_path, errors="replace") as f:
-            f.seek(offset)
-            return f.read()
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
-            return r.read().decode()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def bench(server: Server, tokenizer: Path, w: dict, seed: int, out_dir: Path, tag: str) -> dict:
+# --- client ----------------------------------------------------------------------------------------------
+def bench(server, tokenizer: Path, w: dict, seed: int, out_dir: Path, tag: str) -> dict:
     """One run of vLLM's benchmark client: the code of ``vllm bench serve`` (``vllm.benchmarks.serve``), called in
     this process so that its import (~15 s) is paid once, not per run. Returns its result JSON as it saves it."""
     from vllm.benchmarks.serve import add_cli_args, main
@@ -217,8 +112,8 @@ def bench(server: Server, tokenizer: Path, w: dict, seed: int, out_dir: Path, ta
 
     fname = f"{tag}.json"
     argv = [
-        "--backend", "vllm", "--base-url", f"http://127.0.0.1:{server.port}",
-        "--model", server.name, "--tokenizer", str(tokenizer), "--dataset-name", "random",
+        "--backend", "vllm", "--base-url", server.base,
+        "--model", server.served_name, "--tokenizer", str(tokenizer), "--dataset-name", "random",
         "--random-input-len", str(w["input"]), "--random-output-len", str(w["output"]),
         "--random-range-ratio", str(w.get("range_ratio", 0.0)), "--num-prompts", str(w["prompts"]),
         "--max-concurrency", str(w["concurrency"]), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
@@ -252,22 +147,21 @@ def summary(d: dict) -> dict:
 # --- one server, its workloads --------------------------------------------------------------------------
 def serve_and_run(
     label: str, model: Path, name: str, backend: str, args: list[str], workloads: list[str], table: dict,
-    work: Path, env: dict, deadline: float, startup_s: float,
+    work: Path, env: dict, startup_s: float,
 ) -> dict:  # fmt: skip
+    from elastic_vllm.server import ServeProcess
+
     log_path = work / f"server-{label}.log"
     run_env = dict(env)
     if label.endswith("-kernels"):  # the A/B of the dense dispatch: every step on the elastic kernels
         run_env["ELASTIC_VLLM_FLASH_DENSE"] = "off"
-    if backend != "elastic":
-        run_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    else:
-        prom = Path(tempfile.mkdtemp(prefix="serve-bench-prom-"))
-        run_env["PROMETHEUS_MULTIPROC_DIR"] = str(prom)
     log(f"{label}: starting {backend} on {model.name}")
-    server = Server(model, name, backend, args, run_env, log_path)
-    rec: dict = {"backend": backend, "model": name, "server_argv": " ".join(server.argv[len(CLI) :]), "runs": {}}
+    server = ServeProcess(model, args=["--jit-monitor-verbose", *args], served_name=name, env=run_env,
+                          log_path=log_path, backend=backend)  # fmt: skip
+    rec: dict = {"backend": backend, "model": name, "server_argv": server.command, "runs": {}}
     try:
-        rec["startup_s"] = round(server.wait_ready(startup_s), 1)
+        server.wait_ready(startup_s)
+        rec["startup_s"] = round(time.time() - server.started, 1)
         log(f"{label}: ready in {rec['startup_s']} s")
         rec["startup_jit_lines"] = server.log_since(0).count(JIT_MARK)
         for wname in workloads:
@@ -275,10 +169,6 @@ def serve_and_run(
             # prompts of their own for every burst of every workload: a repeated prompt would hit the prefix cache
             base_seed = 1 + 2 * list(table).index(wname)
             for burst, seed in (("cold", base_seed), ("warm", base_seed + 1)):
-                if time.time() > deadline:
-                    rec["runs"].setdefault(wname, {})[burst] = {"skipped": "time budget"}
-                    log(f"{label}: {wname} {burst} skipped (time budget)")
-                    continue
                 off = server.log_size()
                 data = bench(server, model, w, seed, work, f"{label}-{wname}-{burst}")
                 jit = [ln for ln in server.log_since(off).splitlines() if JIT_MARK in ln]
@@ -297,7 +187,7 @@ def serve_and_run(
         log(f"{label}: ERROR {str(e)[:400]}")
     finally:
         server.stop()
-        rec["server_log_tail"] = server.tail(2000)
+        rec["server_log_tail"] = server.log_tail(2000)
     return rec
 
 
@@ -418,17 +308,17 @@ def main(argv: list[str] | None = None) -> int:
         help="earlier --out files to keep; a later file's runs replace an earlier one's (server, workload)",
     )
     p.add_argument("--report", action="store_true", help="run nothing: compare the --merge files and write --out")
-    p.add_argument("--budget", type=float, default=1e9, help="seconds; later bursts are skipped past it")
     p.add_argument("--dry", action="store_true", help="CPU plumbing check: tiny shapes")
     a = p.parse_args(argv)
+    if a.report:  # nothing runs: no torch import (the baseline is the merged files')
+        cuda = False
+    else:
+        import torch
 
-    import torch
-
-    cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available()
     table = DRY if a.dry else WORKLOADS
     names = [w for w in (a.workloads.split(",") if a.workloads else table) if w in table]
     baseline = a.baseline or ("FLASH_ATTN" if cuda else "CPU_ATTN")
-    deadline = T0 + a.budget
     if a.demo_model is None and not a.report:
         from elastic_vllm.models import fetch_demo_model
 
@@ -478,9 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         if not wl:
             continue
         results[label] = serve_and_run(label, model, name, backend, [*common, *args], wl, table, work, env,
-                                       deadline, startup_s=900)  # fmt: skip
+                                       startup_s=900)  # fmt: skip
     rows = compare(results, table)
-    env_rec = environment(argv)
+    cmd = ["python3", "benchmarks/serve_bench.py", *argv]
+    # --report runs nothing: its record is the command (the runs' machine and versions come from their files)
+    env_rec = provenance(cmd) if a.report else environment(("torch", "triton", "vllm", "transformers"), cmd)
     if a.report and a.merge:  # the machine and versions are the runs', the command is this report's
         first = json.loads(a.merge[0].read_text())
         baseline = first["baseline"]
@@ -496,8 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "servers": results,
         "merged_from": merged_from,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(d, indent=1, default=str))
+    write_json(a.out, d)
     a.out.with_suffix(".md").write_text(markdown(d))
     print(markdown(d))
     errors = [k for k, v in results.items() if v.get("error")]

@@ -20,10 +20,11 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _harness import ROOT, provenance, write_json
+
 sys.path.insert(0, str(ROOT))
 
-from elastic_vllm.sparsity import causal_pairs, ssa_visible_pairs  # noqa: E402
+from elastic_vllm.sparsity import causal_pairs, ssa_visible_pairs
 
 ELASTIC_KERNELS = ("_prefill_kernel", "_route_", "_xattn")
 FA3_KERNEL = "FlashAttnFwd"
@@ -95,7 +96,7 @@ def main() -> int:
         return 1
     res = {"what": "TTFT target -> attention rate it needs (benchmarks/ttft_bound.py)", "source": args.e2e_json,
            "source_git_commit": report.get("git_commit"), "gpu": report.get("env", {}).get("gpu"),
-           "command": " ".join(sys.argv), "rows": rows}  # fmt: skip
+           **provenance(), "rows": rows}  # fmt: skip
     for r in rows:
         print(f"{r['len']:>6} {r['variant']}: attention {r['elastic_attention_s']:.3f} s at "
               f"{r['elastic_attention_TFLOPs']:.0f} TFLOP/s, rest {r['elastic_other_gpu_s']:.3f} + host "
@@ -103,7 +104,7 @@ def main() -> int:
               f"at FA3's rate {r['speedup_at_fa3_rate']:.2f}x; target {r.get('target_speedup', 0):.2f}x needs "
               f"{r.get('needed_TFLOPs') or float('nan'):.0f} TFLOP/s")  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        write_json(args.out, res)
     return 0
 
 

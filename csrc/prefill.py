@@ -1,5 +1,8 @@
 """Fused hybrid prefill attention over a paged KV cache: FA, SSA and XA heads in ONE launch.
 
+Why one file of ~520 lines: one operator, as FLA keeps them: the kernel and its loop helpers, the per-device
+config, and the host launcher that checks shapes, strides and dtypes (its reference: elastic_vllm/reference/).
+
 Each program owns one (query tile, KV head) of one request. A query tile packs the G = Hq / Hkv
 query heads of the KV head into the M dimension (BLOCK_M rows = BLOCK_Q tokens x G heads), so
 K/V are read once per group and never expanded. The head's mode is read from device metadata,

@@ -1,5 +1,6 @@
 """A ``vllm serve --attention-backend elastic`` subprocess (through ``elastic-vllm serve``), for the demo,
-the end-to-end tests and the benchmarks: start, wait until /health answers, stop with SIGINT.
+the end-to-end tests and the benchmarks: start, wait until /health answers, stop with SIGINT. A benchmark's
+baseline (``backend`` another vLLM backend) runs plain ``vllm serve`` the same way.
 
 The wrapper prepares Prometheus multiprocess mode, so the ``elastic:`` metrics recorded in the engine
 process appear on the server's /metrics.
@@ -37,7 +38,8 @@ class ServeError(RuntimeError):
 
 
 class ServeProcess:
-    """``elastic-vllm serve MODEL --host 127.0.0.1 --port P [args]`` in its own process group."""
+    """``elastic-vllm serve MODEL --host 127.0.0.1 --port P [args]`` in its own process group; with ``backend``
+    other than "elastic", ``vllm serve MODEL --attention-backend BACKEND ...`` (vLLM alone, nothing of ours)."""
 
     def __init__(
         self,
@@ -48,15 +50,25 @@ class ServeProcess:
         served_name: str | None = None,
         env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
+        backend: str = "elastic",
     ) -> None:
         self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.served_name = served_name or Path(str(model)).name
-        argv = [sys.executable, "-m", "elastic_vllm.cli", "serve", str(model), "--host", "127.0.0.1"]
-        argv += ["--port", str(self.port), "--served-model-name", self.served_name]
+        if backend == "elastic":
+            argv = [sys.executable, "-m", "elastic_vllm.cli", "serve", str(model)]
+        elif elastic is not None:
+            raise ValueError(f"elastic settings need backend 'elastic', not {backend!r}")
+        else:
+            argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
+            argv += ["--attention-backend", backend]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.served_name]
         if elastic is not None:
             argv += ["--additional-config", json.dumps({"elastic": elastic})]
         argv += list(args or [])
+        self.argv = argv
+        # as typed on a shell: "elastic-vllm serve ..." / "vllm serve ..."
+        self.command = " ".join(["elastic-vllm" if backend == "elastic" else "vllm", *argv[3:]])
         run_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",)}
         run_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the wrapper makes a fresh one
         run_env.update(env or {})
@@ -73,6 +85,16 @@ class ServeProcess:
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-n:]
+
+    def log_size(self) -> int:
+        """Bytes of log so far: ``log_since(size)`` later reads what the server wrote in between."""
+        self._log.flush()
+        return self.log_path.stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log_path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
 
     def wait_ready(self, timeout_s: float = 600, progress=None) -> str:
         """Block until /health answers 200; raise with the server's log tail if it exits or times out."""

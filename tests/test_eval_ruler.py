@@ -38,6 +38,7 @@ def test_split_marked_keeps_one_shot_examples_as_ruler_writes_them():
         split_marked("no marker")
 
 
+@pytest.mark.slow  # needs the demo model (its tokenizer)
 def test_generate_niah_essay_with_demo_tokenizer(demo_model_dir, tmp_path):
     """niah_single_2 (essay haystack: exercises nltk's fallback splitter) at 1024 tokens, 2 samples."""
     from transformers import AutoTokenizer

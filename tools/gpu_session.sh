@@ -6,14 +6,14 @@
 #                                           # carried (mind the 64 MiB per call), 2 installs .whl/gguf
 #   bash tools/gpu_session.sh unpack      # unpack vLLM to /tmp/vsite, convert the demo model (from the carried GGUF)
 #   bash tools/gpu_session.sh check_train # check_vllm.py (P4) and router training (P3) side by side
-#   bash tools/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7)
+#   bash tools/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7): E2E_JOBS, the jobs that fit this call
 #   bash tools/gpu_session.sh eval        # benchmarks/accuracy.py (P6) with the router trained in check_train
 #   bash tools/gpu_session.sh gguf_part   # no vLLM: the eval's model in pieces (tools/gpu_gguf.sh builds
 #   bash tools/gpu_session.sh eval_gguf   # .gpu-gguf/p1..p3), one call per piece (carry .gpu-gguf/pN), the last
 #                                           # with eval_gguf (carry .gpu-gguf/p3 .whl): ~2 min less than staging vLLM
 #   bash tools/gpu_session.sh generalization  # eval --suite generalization (held-out families) of ROUTERS
 #                                           # (space-separated folders, run side by side on the GPU), MARGINS
-#   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2)
+#   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2); SECTIONS / QUICK
 #   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
 # One GPU, after staging: TRAIN_GPU=0 TRAIN_SITE=/tmp/vsite train_bg (the staged GGUF; carry .whl), then check /
 # kernels while it trains, collect_train, generalization; the timed `serve` last, alone on the GPU.
@@ -161,8 +161,11 @@ case "$step" in
   e2e)
     M=$(demo)
     R=""; [ -d /tmp/router ] && R="--demo-router /tmp/router"
+    # the whole plan takes longer than one call: each call runs the jobs named (gpu_plan's names, e.g.
+    # llama8b-flash then llama8b-elastic), the files join with `e2e_vllm.py --merge`
+    : "${E2E_JOBS:?E2E_JOBS: comma-separated job names of benchmarks/e2e_vllm.py gpu_plan for this call}"
     CUDA_VISIBLE_DEVICES=${E2E_GPU:-0} python3 benchmarks/e2e_vllm.py --out "$OUT/e2e.json" --demo-model "$M" $R \
-      --budget ${BUDGET:-400} ${E2E_JOBS:+--jobs $E2E_JOBS} ${E2E_KINDS:+--kinds $E2E_KINDS} ${E2E_MIN_PRIO:+--min-prio $E2E_MIN_PRIO} 2>&1 | tail -40
+      --jobs "$E2E_JOBS" ${E2E_KINDS:+--kinds $E2E_KINDS} ${E2E_MIN_PRIO:+--min-prio $E2E_MIN_PRIO} 2>&1 | tail -40
     tar -C "$OUT" -czf "$OUT/e2e_logs.tgz" e2e_logs 2>/dev/null && rm -rf "$OUT/e2e_logs" || true ;;
   eval)
     M=$(demo)
@@ -172,13 +175,13 @@ case "$step" in
       ${METHODS:+--methods $METHODS} ${IMPL:+--impl $IMPL} 2>&1 | grep -v Warning | tail -40 ;;
   serve)
     # benchmarks/serve_bench.py: `vllm serve` + `vllm bench serve`, elastic vs FLASH_ATTN. SERVERS (comma list of
-    # llama-base, llama-elastic, demo-base, demo-elastic), WORKLOADS, MERGE (earlier outputs in /tmp/sb to keep),
-    # SB_NAME (the output's name), BUDGET (s). The plugin's entry point needs the tree pip-installed (editable).
+    # llama-base, llama-elastic, demo-base, demo-elastic), WORKLOADS (what fits this call), MERGE (earlier outputs
+    # in /tmp/sb to keep), SB_NAME (the output's name). The plugin's entry point needs the tree pip-installed.
     M=$(demo)
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/pip-e.log 2>&1 || { tail /tmp/pip-e.log; exit 1; }
     mkdir -p /tmp/sb "$OUT"
     python3 benchmarks/serve_bench.py --demo-model "$M" --servers "${SERVERS:?}" ${WORKLOADS:+--workloads $WORKLOADS} \
-      --out /tmp/sb/"${SB_NAME:-serve}".json ${MERGE:+--merge $MERGE} --budget "${BUDGET:-540}" 2>&1 | tail -60 || true
+      --out /tmp/sb/"${SB_NAME:-serve}".json ${MERGE:+--merge $MERGE} 2>&1 | tail -60 || true
     cp /tmp/sb/"${SB_NAME:-serve}".json /tmp/sb/"${SB_NAME:-serve}".md "$OUT/" ;;
   generalization)
     # the generalization suite (held-out task families) of each router in ROUTERS, concurrently on the one GPU
@@ -197,7 +200,10 @@ case "$step" in
     for R in $ROUTERS; do tail -n 45 "/tmp/gen-$(basename "$R").log"; done ;;
   kernels)
     timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check_kernels.json" 2>&1 | tail -40 || true
-    [ "${KERNEL_BENCH:-1}" = 0 ] || python3 benchmarks/kernels.py --out "$OUT/kernels.json" --budget ${BUDGET:-200} 2>&1 | tail -45 ;;
+    # the whole grid takes ~7 min on the H200: SECTIONS (kernels.py --sections) or QUICK=1 (--quick) split it;
+    # KERNEL_BENCH=0: the checks only
+    [ "${KERNEL_BENCH:-1}" = 0 ] || python3 benchmarks/kernels.py --out "$OUT/kernels.json" \
+      ${SECTIONS:+--sections "$SECTIONS"} ${QUICK:+--quick} 2>&1 | tail -45 ;;
   ab)
     # the kernels of this tree vs the csrc/ of another commit (`bash tools/ab_prep.sh REF`, carry .abtest), in
     # one call: same GPU, same clocks and power state. SECTIONS: kernels.py's --sections filter; CHECK_K: the
@@ -217,7 +223,7 @@ case "$step" in
       dir=$PWD; commit=${GIT_COMMIT:-unknown}
       [ $side = ref ] && { dir=/tmp/ab-ref; commit=$ref; }
       (cd "$dir" && GIT_COMMIT=$commit PYTHONPATH=$dir python3 benchmarks/kernels.py ${KERNELS_ARGS:-} \
-        --out "$OUT/kernels-$side.json" --budget ${BUDGET:-200} --sections "${SECTIONS:?kernels.py --sections filter}" \
+        --out "$OUT/kernels-$side.json" --sections "${SECTIONS:?kernels.py --sections filter}" \
         2>&1 | tail -12)
     done ;;
   *) echo "unknown step $step"; exit 2 ;;

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from elastic_vllm.eval.harness import DEFAULT_DATA, base_config, provenance
+    from elastic_vllm.eval.engine import DEFAULT_DATA, base_config, provenance
     from elastic_vllm.eval.ruler import read_jsonl
 
     p = argparse.ArgumentParser(prog="python3 -m elastic_vllm.eval.agreement", description=__doc__.split("\n\n")[0])

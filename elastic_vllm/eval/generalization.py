@@ -1,5 +1,7 @@
 """The generalization suite: held-out task families, per family, Elastic vs dense vs the static hybrid.
 
+Why one file of ~440 lines: the suite's run, aggregation per family, margin trade-off and report read one table.
+
     elastic-vllm eval --suite generalization --model DIR --router DIR --out OUT [--device cuda]
 
 Reads the generalization split (``build-data --generalization N``; the demo model's is committed as
@@ -36,7 +38,8 @@ from pathlib import Path
 import torch
 
 from elastic_vllm.eval import metrics as M
-from elastic_vllm.eval.harness import DATA_DIR, METHODS, HFEngine, Method, _mean, base_config, provenance
+from elastic_vllm.eval.engine import DATA_DIR, METHODS, HFEngine, Method, base_config, finite_mean, provenance
+from elastic_vllm.models import sha256_file
 
 GEN_DATA = DATA_DIR / "smollm2_generalization.jsonl.gz"
 CALIB_DATA = DATA_DIR / "smollm2_ruler.jsonl.xz"
@@ -127,8 +130,8 @@ def aggregate(samples: list[dict]) -> dict:
     for (fam, cat, m), xs in sorted(groups.items()):
         table[fam][cat][m] = {
             "n": len(xs),
-            "score": _mean([x["score"] for x in xs]),
-            "omega_msr": _mean([x["omega_msr"] for x in xs]),
+            "score": finite_mean([x["score"] for x in xs]),
+            "omega_msr": finite_mean([x["omega_msr"] for x in xs]),
         }
     for cells in table.values():
         for by_m in cells.values():
@@ -257,7 +260,7 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
         "config": engine.base_cfg.model_dump(),
         "data": {
             "path": str(data),
-            "sha256": _sha256(data),
+            "sha256": sha256_file(data),
             "per_cell": per_cell,
             "max_tokens": getattr(opts, "gen_max_tokens", None),
         },
@@ -285,12 +288,6 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
     return res
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def summary(table: dict) -> dict:
     """Per category, family-macro averages of every method: score, keep (vs dense), Omega_MSR."""
     out: dict = {}
@@ -300,7 +297,7 @@ def summary(table: dict) -> dict:
             for m, c in cells.get(cat, {}).items():
                 by_m[m].append(c)
         out[cat] = {
-            m: {k: _mean([c[k] for c in cs]) for k in ("score", "keep", "omega_msr")} | {"families": len(cs)}
+            m: {k: finite_mean([c[k] for c in cs]) for k in ("score", "keep", "omega_msr")} | {"families": len(cs)}
             for m, cs in by_m.items()
         }
     return out
@@ -324,10 +321,10 @@ def margin_tradeoff(table: dict, base: float, margins: list[float]) -> list[dict
             {
                 "method": name,
                 "sa_margin": margin,
-                "sensitive_keep": _mean([c["keep"] for c in cells["sensitive"]]),
-                "sensitive_omega_msr": _mean([c["omega_msr"] for c in cells["sensitive"]]),
-                "robust_keep": _mean([c["keep"] for c in cells["robust"]]),
-                "robust_omega_msr": _mean([c["omega_msr"] for c in cells["robust"]]),
+                "sensitive_keep": finite_mean([c["keep"] for c in cells["sensitive"]]),
+                "sensitive_omega_msr": finite_mean([c["omega_msr"] for c in cells["sensitive"]]),
+                "robust_keep": finite_mean([c["keep"] for c in cells["robust"]]),
+                "robust_omega_msr": finite_mean([c["omega_msr"] for c in cells["robust"]]),
                 "targets_met": sum(x["met"] for x in targets),
                 "targets": len(targets),
             }

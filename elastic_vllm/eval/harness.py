@@ -1,5 +1,8 @@
 """Accuracy harness: RULER (sparsity-sensitive) and robust tasks, Elastic vs dense vs static baselines.
 
+Why one file of ~620 lines: one suite's run (records, cells, aggregation, targets, report) over the engine of
+``eval/engine.py``; the other suites (generalization, agreement) share that engine, not this file.
+
     python3 benchmarks/accuracy.py --model DIR --router DIR --lengths 4096 8192 --samples 20 \\
         --out benchmarks/results/accuracy_smollm2 [--device cuda] [--methods ...] [--quick]
 
@@ -25,73 +28,25 @@ before static: the static hybrid is built at Elastic's realized average Omega_MS
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from elastic_vllm.config import ElasticConfig
 from elastic_vllm.eval import metrics as M
+from elastic_vllm.eval.engine import DEFAULT_DATA, METHODS, HFEngine, Method, base_config, finite_mean, provenance
 from elastic_vllm.eval.ruler import RULER_TASKS, read_jsonl
-from elastic_vllm.sparsity import omega_esr
+from elastic_vllm.models import sha256_file
 
 ROBUST = ("summ", "cont", "code")
-# the committed prompts of the demo model (a source checkout; pass --data elsewhere)
-DATA_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
-DEFAULT_DATA = (str(DATA_DIR / "smollm2_ruler.jsonl.xz"), str(DATA_DIR / "smollm2_robust.jsonl.xz"))
 QUICK_TASKS = ("niah_single_1", "niah_multikey_2", "vt", "qa_1", *ROBUST)
 
 
-@dataclass(frozen=True)
-class Method:
-    name: str
-    cfg: dict  # ElasticConfig updates over the base config
-    router: bool  # needs the trained router
-    static: bool = False
-    xa: bool = False
-    label: str = ""
-
-
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method("dense", {"force": "all-FA", "mode": "FA-SSA", "decode_mode": "dense"}, False, label="dense (all FA)"),
-        Method("elastic", {"force": "auto", "mode": "FA-SSA", "decode_mode": "dense"}, True, label="Elastic FA-SSA"),
-        Method(
-            "static",
-            {"force": "auto", "mode": "FA-SSA", "decode_mode": "dense"},
-            False,
-            static=True,
-            label="static hybrid (retrieval-ranked)",
-        ),
-        Method(
-            "all-SA", {"force": "all-SA", "mode": "FA-SSA", "decode_mode": "sparse"}, False, label="all SSA (streaming)"
-        ),
-        Method(
-            "elastic-sparse",
-            {"force": "auto", "mode": "FA-SSA", "decode_mode": "sparse"},
-            True,
-            label="Elastic FA-SSA, sparse decode",
-        ),
-        Method(
-            "FA-XA", {"force": "auto", "mode": "FA-XA", "decode_mode": "dense"}, True, xa=True, label="Elastic FA-XA"
-        ),
-        Method(
-            "XA-SSA", {"force": "auto", "mode": "XA-SSA", "decode_mode": "dense"}, True, xa=True, label="Elastic XA-SSA"
-        ),
-    )
-}
 CATEGORY = {**{t: "sensitive" for t in RULER_TASKS}, **{t: "robust" for t in ROBUST}}
 
 
@@ -115,130 +70,6 @@ def load_records(paths, lengths, tasks, samples: int, robust_samples: int, calib
         elif r["task"] in tasks and r["index"] < (robust_samples if r["task"] in ROBUST else samples):
             keep.append(r)
     return keep
-
-
-def _sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-# --- the engine -----------------------------------------------------------------------------------
-def newline_tables(tokenizer, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per token id: contains a newline; has non-blank text; has non-blank text before its first newline."""
-    texts = tokenizer.batch_decode([[i] for i in range(min(len(tokenizer), vocab))])
-    nl = torch.zeros(vocab, dtype=torch.bool)
-    text = torch.zeros(vocab, dtype=torch.bool)
-    text_nl = torch.zeros(vocab, dtype=torch.bool)
-    for i, s in enumerate(texts):
-        nl[i] = "\n" in s
-        text[i] = bool(s.strip())
-        text_nl[i] = "\n" in s and bool(s.split("\n", 1)[0].strip())
-    return nl.to(device), text.to(device), text_nl.to(device)
-
-
-def _first_line_stop(tables, prompt_len: int):
-    """A stopping criterion: a row is done once it produced a newline after some non-blank text."""
-    from transformers import StoppingCriteria
-
-    nl, text, text_nl = tables
-
-    class FirstLineStop(StoppingCriteria):
-        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-            gen = input_ids[:, prompt_len:]
-            t = text[gen].long()
-            had_text = (torch.cumsum(t, 1) - t) > 0  # non-blank text BEFORE token i
-            return ((nl[gen] & had_text) | text_nl[gen]).any(1)
-
-    return FirstLineStop()
-
-
-class HFEngine:
-    """One elastic transformers model; ``use(method)`` switches the configuration between runs."""
-
-    def __init__(self, model_dir, base_cfg: ElasticConfig, router: str | None, dtype, device, impl: str):
-        from elastic_vllm.hf import load_elastic_model
-
-        self.model, self.tok = load_elastic_model(model_dir, base_cfg, router, dtype=dtype, device=device, impl=impl)
-        self.state = self.model.elastic_state
-        self.base_cfg = base_cfg
-        self.device = torch.device(device)
-        self.vocab = self.model.get_output_embeddings().weight.shape[0]
-        eos = {self.tok.eos_token_id}
-        gc_eos = self.model.generation_config.eos_token_id
-        eos |= set(gc_eos if isinstance(gc_eos, list) else [gc_eos] if gc_eos is not None else [])
-        self.eos = sorted(e for e in eos if e is not None)
-        self.method: Method | None = None
-        self._nl_tables: tuple | None = None
-
-    def use(self, method: Method, static_routing: torch.Tensor | None = None) -> ElasticConfig:
-        self.state.set_config(**{**self.base_cfg.model_dump(), **method.cfg})
-        self.state.fixed_routing = static_routing.to(self.device) if method.static else None
-        if method.router and self.state.router is None:
-            raise ValueError(f"method {method.name} needs the trained router (--router)")
-        self.method = method
-        return self.state.cfg
-
-    def _encode(self, texts: list[str]):
-        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
-
-    def _routing(self, lengths: list[int]) -> list[dict]:
-        """Per row: FA decisions [L, H] (cpu), Omega_MSR, Omega_ESR at the row's real length."""
-        cfg = self.state.cfg
-        routing = self.state.last_routing.cpu()
-        xa: dict[int, dict] = defaultdict(dict)
-        for (b, layer, h), m in self.state.xa_masks.items():
-            xa[b][(layer, h)] = m.cpu()
-        out = []
-        for b, n in enumerate(lengths):
-            is_fa = routing[b]
-            modes = torch.where(is_fa, int(cfg.fa_mode), int(cfg.sa_mode))
-            out.append(
-                {
-                    "is_fa": is_fa,
-                    "omega_msr": float((~is_fa).float().mean()),
-                    "omega_esr": omega_esr(modes, n, cfg, xa.get(b)),
-                }
-            )
-        return out
-
-    @torch.no_grad()
-    def generate(self, texts: list[str], max_new: int, first_line: bool = False) -> tuple[list[str], list[dict]]:
-        from transformers import GenerationConfig, StoppingCriteriaList
-
-        ids, mask = self._encode(texts)
-        lengths = mask.sum(1).tolist()
-        gc = GenerationConfig(
-            max_new_tokens=max_new, do_sample=False, eos_token_id=self.eos, pad_token_id=self.tok.pad_token_id
-        )
-        stop = None
-        if first_line:
-            if self._nl_tables is None:
-                self._nl_tables = newline_tables(self.tok, self.vocab, self.device)
-            stop = StoppingCriteriaList([_first_line_stop(self._nl_tables, ids.shape[1])])
-        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, stopping_criteria=stop)
-        routes = self._routing(lengths)
-        gen = out[:, ids.shape[1] :]
-        preds = self.tok.batch_decode(gen, skip_special_tokens=True)
-        for r, g in zip(routes, gen.tolist()):
-            r["new_tokens"] = sum(1 for t in g if t != self.tok.pad_token_id)
-        return preds, routes
-
-    @torch.no_grad()
-    def nll_last(self, texts: list[str], n_last: int) -> tuple[list[float], list[dict]]:
-        """Mean NLL (nats) of each text's last ``n_last`` tokens, one teacher-forced forward."""
-        ids, mask = self._encode(texts)
-        lengths = mask.sum(1).tolist()
-        if min(lengths) <= n_last:
-            raise ValueError(f"continuation texts must be longer than {n_last} tokens (got {min(lengths)})")
-        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=n_last + 1).logits
-        pred = logits[:, :-1].float()
-        tgt = ids[:, -n_last:]
-        nll = torch.nn.functional.cross_entropy(pred.reshape(-1, pred.shape[-1]), tgt.reshape(-1), reduction="none")
-        return nll.view(len(texts), n_last).mean(1).tolist(), self._routing(lengths)
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -347,15 +178,10 @@ def run_cell(engine: HFEngine, method: Method, rows: list[dict], st: RunState, o
     st.samples += res
     return {
         "n": len(res),
-        "score": _mean([x["score"] for x in res]),
-        "omega_msr": _mean([x["omega_msr"] for x in res]),
-        "omega_esr": _mean([x["omega_esr"] for x in res]),
+        "score": finite_mean([x["score"] for x in res]),
+        "omega_msr": finite_mean([x["omega_msr"] for x in res]),
+        "omega_esr": finite_mean([x["omega_esr"] for x in res]),
     }
-
-
-def _mean(xs) -> float:
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(xs) / len(xs) if xs else float("nan")
 
 
 # --- aggregation ----------------------------------------------------------------------------------
@@ -368,12 +194,12 @@ def aggregate(samples: list[dict]) -> dict:
     for (m, length, task), xs in groups.items():
         cell = {
             "n": len(xs),
-            "score": _mean([x["score"] for x in xs]),
-            "omega_msr": _mean([x["omega_msr"] for x in xs]),
-            "omega_esr": _mean([x["omega_esr"] for x in xs]),
+            "score": finite_mean([x["score"] for x in xs]),
+            "omega_msr": finite_mean([x["omega_msr"] for x in xs]),
+            "omega_esr": finite_mean([x["omega_esr"] for x in xs]),
         }
         if task == "cont":
-            cell["nll"] = _mean([x["nll"] for x in xs])
+            cell["nll"] = finite_mean([x["nll"] for x in xs])
         table[m][str(length)][task] = cell
     for _m, by_len in table.items():
         for _length, cells in by_len.items():
@@ -382,9 +208,9 @@ def aggregate(samples: list[dict]) -> dict:
                 if got:  # task-macro averages (every task weighs the same)
                     cells[name] = {
                         "n_tasks": len(got),
-                        "score": _mean([c["score"] for c in got]),
-                        "omega_msr": _mean([c["omega_msr"] for c in got]),
-                        "omega_esr": _mean([c["omega_esr"] for c in got]),
+                        "score": finite_mean([c["score"] for c in got]),
+                        "omega_msr": finite_mean([c["omega_msr"] for c in got]),
+                        "omega_esr": finite_mean([c["omega_esr"] for c in got]),
                     }
     return json.loads(json.dumps(table))
 
@@ -451,37 +277,6 @@ def static_target_omega(samples: list[dict], match: str) -> tuple[float, str]:
     if not got:
         raise RuntimeError("elastic produced no samples to match the static hybrid to")
     return sum(got) / len(got), f"{what} (n={len(got)})"
-
-
-# --- provenance -----------------------------------------------------------------------------------
-def provenance(argv: list[str], device: torch.device) -> dict:
-    import transformers
-
-    root = Path(__file__).resolve().parents[2]
-
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)"
-    return {
-        "command": " ".join(shlex.quote(a) for a in argv),
-        # GIT_COMMIT first: the GPU machine's copy of the tree may carry a stale .git (it reported an older
-        # commit on 2026-11-30)
-        "git_commit": os.environ.get("GIT_COMMIT") or git("rev-parse", "HEAD") or "unknown",
-        "git_dirty": False
-        if os.environ.get("GIT_COMMIT")
-        else bool(git("status", "--porcelain", "--untracked-files=no")),
-        "gpu": gpu,
-        "device": str(device),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "host_cpu_count": os.cpu_count(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 # --- options --------------------------------------------------------------------------------------
@@ -554,33 +349,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget", type=float, default=0, help="seconds; cells after it are skipped (0 = none)")
     p.add_argument("--vllm-check", type=int, default=0, help="also run N prompts through vLLM (CPU) and compare")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 samples, a few tasks, 8 new tokens")
-
-
-def base_config(
-    router: str | None, sink: int | None, window: int | None, sa_margin: float | None = None
-) -> tuple[ElasticConfig, dict]:
-    """SSA/XA knobs from the router's checkpoint (attention + pooling blocks), else the demo defaults."""
-    fields = set(ElasticConfig.model_fields)
-    raw: dict[str, Any] = {"sink": 128, "window": 512}
-    meta = {}
-    if router:
-        from elastic_vllm.router.checkpoint import read_meta
-
-        m = read_meta(router)
-        meta = {"backbone": m.backbone.model_dump(), "sha256": m.sha256, "attention": m.attention}
-        raw.update({k: v for k, v in m.attention.items() if k in fields})
-        if "mode" in m.pooling:
-            raw["pooling"] = m.pooling["mode"]
-        if "tokens" in m.pooling:
-            raw["pool_tokens"] = m.pooling["tokens"]
-    if sink is not None:
-        raw["sink"] = sink
-    if window is not None:
-        raw["window"] = window
-    if sa_margin is not None:
-        raw["sa_margin"] = sa_margin
-    raw.pop("router_path", None)
-    return ElasticConfig.parse(raw), meta
 
 
 def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> dict:
@@ -726,7 +494,7 @@ def _write(out: Path, opts, meta, router_meta, cfgs, methods, st: RunState, wall
         "model": str(opts.model),
         "router": str(opts.router) if opts.router else None,
         "router_meta": router_meta,
-        "data": {str(p): _sha256(p) for p in opts.data},
+        "data": {str(p): sha256_file(p) for p in opts.data},
         "options": {k: v for k, v in vars(opts).items() if k not in ("data",)},
         "methods": {m: {"label": METHODS[m].label, "config": cfgs.get(m)} for m in methods},
         "static_hybrid": {

@@ -12,7 +12,6 @@ RULER haystacks repeat across samples far beyond gzip's 32 KB window.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import platform
 import shlex
@@ -22,10 +21,7 @@ from pathlib import Path
 
 from elastic_vllm.eval.robust import ROBUST_TASKS
 from elastic_vllm.eval.ruler import PACKAGE_REQ, RULER_TASKS, generate_ruler, read_jsonl, write_jsonl
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+from elastic_vllm.models import sha256_file
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -111,7 +107,7 @@ def _describe(path: Path, extra: dict) -> dict:
     for r in rows:
         k = f"{r['task']}@{r['length']}"
         counts[k] = counts.get(k, 0) + 1
-    return {"path": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path), "records": counts, **extra}
+    return {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path), "records": counts, **extra}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ checked against the metadata, so a truncated or corrupted file fails with a clea
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from elastic_vllm.models import sha256_file as _sha256  # also the name vllm_plugin/state.py imports
 from elastic_vllm.router.model import ElasticRouter
 
 FORMAT = "elastic-vllm-router"
@@ -103,14 +103,6 @@ class RouterCheckpoint:
     router: ElasticRouter
     meta: RouterMeta
     path: Path
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def save_router(

@@ -1,5 +1,8 @@
 """Build the task-labelled router-training mixture, deterministically from a seed (see DATA.md).
 
+Why one file of ~750 lines: the mixture's builders (one ``Builder`` method per task) share the length draw, the
+split by source item and the manifest; the deployment-like families are in families.py.
+
     elastic-vllm build-data --out data/mix --per-task 120 --eval-per-task 20 --max-tokens 8192
 
 writes ``train.jsonl.gz``, ``eval.jsonl.gz`` and ``manifest.json`` (sources with versions and

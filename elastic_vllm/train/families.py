@@ -1,5 +1,8 @@
 """Deployment-like task families of the router mixture (builder version 3), and the generalization split.
 
+Why one file of ~590 lines: the grid's generators (kind x haystack x form) draw from one seeded ``Families``
+and its shared haystacks; split, they would pass that state around.
+
 The first mixture (7 tasks, one prompt format each) taught the router its formats, not "this prompt
 needs retrieval": on a needle prompt unlike them it sent 95% of the heads to SA. Here every sample is a
 point of a grid, drawn from a seed::

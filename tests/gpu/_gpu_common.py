@@ -1,101 +1,17 @@
-"""Helpers shared by tests/gpu/check_kernels.py and benchmarks/kernels.py (plain scripts, no pytest).
-
-``bootstrap()`` makes the repository importable from a bare checkout (no pip install): it puts the
-repository root on sys.path, maps ``elastic_vllm.csrc`` to csrc/, and, when pydantic is absent
-(the GPU image has only torch, triton, numpy), installs a minimal stand-in so that
-``elastic_vllm.config`` (imported by the reference package for HeadMode) loads. Nothing here
-validates configs; the scripts never build an ElasticConfig.
+"""Helpers of the GPU checks (tests/gpu/check_*.py) and benchmarks/kernels.py (plain scripts, no pytest): paged
+caches, the chunked fp32 reference, closed forms of the SSA mask's work, closing a vLLM engine. The run's record,
+timing, JSON and the bare-checkout bootstrap (repository on sys.path, ``elastic_vllm.csrc`` -> csrc/, a pydantic
+stand-in on the GPU image) come from benchmarks/_harness.py, re-exported here for the checks.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
-import time
-import types
 from pathlib import Path
-from typing import ClassVar
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _pydantic_stand_in() -> types.ModuleType:
-    mod = types.ModuleType("pydantic")
-
-    class BaseModel:
-        model_fields: ClassVar[dict] = {}
-
-        def __init__(self, **kw):
-            for k, v in kw.items():
-                setattr(self, k, v)
-
-    class ValidationError(ValueError):
-        pass
-
-    mod.BaseModel = BaseModel
-    mod.ValidationError = ValidationError
-    mod.ConfigDict = dict
-    mod.Field = lambda default=None, **kw: default
-    mod.model_validator = lambda **kw: lambda f: f
-    mod.field_validator = lambda *a, **kw: lambda f: f
-    mod.__elastic_stand_in__ = True
-    return mod
-
-
-def bootstrap() -> None:
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        import pydantic  # noqa: F401
-    except ImportError:
-        sys.modules["pydantic"] = _pydantic_stand_in()
-    from elastic_vllm.source_tree import use_source_kernels
-
-    # the kernels timed are those of this tree: an editable install elsewhere (or of another checkout, as in
-    # the A/B of tools/gpu_session.sh ab) would map elastic_vllm.csrc to its own csrc/
-    use_source_kernels(ROOT)
-
-
-def env_info() -> dict:
-    import torch
-    import triton
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception:
-            return ""
-
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    # the device machine gets a copy of the working tree without .git: the caller passes the commit
-    in_git = (ROOT / ".git").exists()
-    commit = os.environ.get("GIT_COMMIT") or (git("rev-parse", "HEAD") if in_git else "") or "unknown"
-    return {
-        "gpu": dev,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "git_commit": commit,
-        "git_commit_from": "GIT_COMMIT" if os.environ.get("GIT_COMMIT") else ("git" if in_git else "none"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if in_git else None,
-        "python": sys.version.split()[0],
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "csrc_sha256": csrc_sha256(),
-    }
-
-
-def csrc_sha256() -> str:
-    """One hash of the kernel sources this run imports (csrc/*.py of this tree, by name): says which kernels a
-    result timed when the tree is not a git checkout (the device machine) or when two trees are compared."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted((ROOT / "csrc").glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _harness import ROOT, bench, bootstrap, environment, write_json  # noqa: F401  (re-exported)
 
 
 def close_llm(llm) -> None:
@@ -108,16 +24,6 @@ def close_llm(llm) -> None:
         pass
     del llm
     gc.collect()
-
-
-def write_json(path: str | os.PathLike | None, payload: dict) -> None:
-    if not path:
-        return
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str))
-    tmp.replace(p)
 
 
 def make_paged(keys, values, block_size: int, gen=None, spare: int = 2):
@@ -198,25 +104,6 @@ def chunked_reference(
                 o = torch.einsum("gqk,kd->qgd", torch.softmax(sc, -1).to(cd), v[:hi, h])
                 out[c0:c1, h * g : (h + 1) * g] = o.to(q.dtype)
     return out
-
-
-def bench(fn, est_ms: float | None = None, min_reps: int = 3) -> dict:
-    """triton.testing.do_bench median and p20/p80 (ms): >= 100 ms of repetitions and at least
-    ``min_reps`` calls (slow calls: the spread was < 1% on the H200), warm-up <= 0.5 s."""
-    import torch
-    from triton.testing import do_bench
-
-    if est_ms is None:
-        fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        est_ms = (time.perf_counter() - t) * 1e3
-    rep = min(max(100.0, min_reps * est_ms), 2500.0)
-    warm = min(max(25.0, est_ms), 500.0)
-    med, p20, p80 = do_bench(fn, warmup=warm, rep=rep, quantiles=[0.5, 0.2, 0.8])
-    return {"ms": med, "p20": p20, "p80": p80}
 
 
 def ssa_visible_pairs(length: int, sink: int, window: int) -> int:

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import bootstrap, chunked_reference, env_info, make_paged, write_json
+from _gpu_common import bootstrap, chunked_reference, environment, make_paged, write_json
 
 ARGS = None
 RESULTS: list[dict] = []
@@ -349,7 +349,7 @@ def main() -> int:
         print("no CUDA device (use --cpu-dry for a plumbing check)")
         return 2
     DEV = torch.device("cpu" if ARGS.cpu_dry else "cuda")
-    ENV = env_info()
+    ENV = environment()
     print(ENV)
     print(f"{'check':<58} {'err':>10} {'bound':>10} {'':>5} {'time':>8}")
     bf, f32 = torch.bfloat16, torch.float32

@@ -55,7 +55,7 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import ROOT, bootstrap, close_llm, env_info, write_json
+from _gpu_common import ROOT, bootstrap, close_llm, environment, write_json
 
 ROUTER_EPS = 0.05
 METRIC_ATOL = 1e-6
@@ -702,9 +702,8 @@ def main() -> int:
 
     t_start = time.perf_counter()
     bootstrap()
-    import vllm
 
-    env_rec = {**env_info(), "vllm": vllm.__version__, "argv": sys.argv}
+    env_rec = environment(("torch", "triton", "vllm"))
     results: list[dict] = []
 
     def record(name: str, ok: bool, secs: float, **extra) -> None:

@@ -52,7 +52,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import ROOT, bootstrap, close_llm, env_info, write_json
+from _gpu_common import ROOT, bootstrap, close_llm, environment, write_json
 
 ARGS = None
 ENV: dict = {}
@@ -472,10 +472,9 @@ def main() -> int:
     from elastic_vllm.vllm_plugin import plugin
 
     plugin.register()  # in-process engines: no entry point needed
-    import vllm
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    ENV = {**env_info(), "vllm": vllm.__version__, "argv": sys.argv}
+    ENV = environment(("torch", "triton", "vllm"))
     assert AttentionBackendEnum["ELASTIC"] is AttentionBackendEnum.CUSTOM
     names = [(n, fn) for key in ARGS.checks.split(",") for n, fn in CHECKS[key.strip()]]
     if ARGS.only:
