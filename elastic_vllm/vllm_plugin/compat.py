@@ -514,14 +514,16 @@ def _wrap_sample_tokens(original: Callable) -> Callable:
     return sample_tokens
 
 
+def _wrap_step(cls) -> list[str]:
+    """The step hooks both runners share; the names of those the class lacks."""
+    hooks = {"execute_model": _wrap_execute_model, "sample_tokens": _wrap_sample_tokens}
+    return [name for name, make in hooks.items() if not _wrap(cls, name, make)]
+
+
 def _install_v1(mod) -> list[str]:
     """V1 runner: vllm.v1.worker.gpu_model_runner.GPUModelRunner (also the CPU runner's base)."""
     cls = mod.GPUModelRunner
-    missing = []
-    if not _wrap(cls, "execute_model", _wrap_execute_model):
-        missing.append("execute_model")
-    if not _wrap(cls, "sample_tokens", _wrap_sample_tokens):
-        missing.append("sample_tokens")
+    missing = _wrap_step(cls)
 
     def make_build(original):
         def _build_attention_metadata(self, *args, **kwargs):
@@ -558,11 +560,7 @@ def _install_v1(mod) -> list[str]:
 def _install_v2(mod) -> list[str]:
     """V2 runner: vllm.v1.worker.gpu.model_runner.GPUModelRunner."""
     cls = mod.GPUModelRunner
-    missing = []
-    if not _wrap(cls, "execute_model", _wrap_execute_model):
-        missing.append("execute_model")
-    if not _wrap(cls, "sample_tokens", _wrap_sample_tokens):
-        missing.append("sample_tokens")
+    missing = _wrap_step(cls)
 
     def make_prepare(original):
         def prepare_inputs(self, *args, **kwargs):

@@ -30,9 +30,9 @@ Who records what (see docs/scaling.md for the queries):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +173,20 @@ def warn_if_metrics_stay_here(vllm_config) -> None:
         )
 
 
+def _encode(counts: dict[str, HeadCounts], router_s: float) -> bytes:
+    """A stage's message to the last stage: JSON (the package never unpickles what a peer sends)."""
+    rows = {rid: [list(c.kv_heads), c.heads, c.fa, c.esr_sum, c.stage] for rid, c in counts.items()}
+    return json.dumps({"counts": rows, "router_s": router_s}).encode()
+
+
+def _decode(data: bytes) -> tuple[dict[str, HeadCounts], float]:
+    msg = json.loads(data)
+    counts = {
+        rid: HeadCounts(tuple(kv), heads, fa, esr, stage) for rid, (kv, heads, fa, esr, stage) in msg["counts"].items()
+    }
+    return counts, float(msg["router_s"])
+
+
 class OmegaExchange:
     """Assembles each request's Omegas over every layer and KV head from the counts of every rank."""
 
@@ -187,11 +201,11 @@ class OmegaExchange:
         t = self.topo
         if t.pp_size > 1 and not t.last_stage:
             self._reap()
-            self._sends.append(compat.pp_isend_bytes(pickle.dumps((local, router_s)), t.pp_size - 1, PP_TAG))
+            self._sends.append(compat.pp_isend_bytes(_encode(local, router_s), t.pp_size - 1, PP_TAG))
             return {rid: (float("nan"), float("nan")) for rid in local}, router_s
         mine = [local]
         for stage in range(t.pp_size - 1):
-            counts, s = pickle.loads(compat.pp_recv_bytes(stage, PP_TAG))
+            counts, s = _decode(compat.pp_recv_bytes(stage, PP_TAG))
             if set(counts) != set(local):
                 logger.error(
                     "elastic: pipeline stage %d finalized the routing of %s on the step where the last stage "
