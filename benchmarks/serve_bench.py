@@ -144,6 +144,42 @@ def summary(d: dict) -> dict:
     return {k: d.get(k) for k in KEEP}
 
 
+# vLLM's own per-request phase histograms (engine side): where a request's TTFT went, queued or in prefill steps
+PHASES = {
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+    "ttft_engine": "vllm:time_to_first_token_seconds",
+    "step_tokens": "vllm:iteration_tokens_total",
+}
+
+
+def metric_sums(text: str) -> dict[str, float]:
+    """``NAME_sum`` / ``NAME_count`` of the PHASES histograms in a /metrics text, summed over label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, _, value = line.rpartition(" ")
+        name = key.split("{", 1)[0]
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in PHASES.values():
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def phases(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Per-burst means from the deltas of two scrapes: ms per request for the time phases, tokens per step for
+    ``step_tokens``. A phase the server does not export is absent."""
+    out = {}
+    for short, name in PHASES.items():
+        n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        if n > 0:
+            total = after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)
+            out[short] = round(total / n if short == "step_tokens" else 1000 * total / n, 2)
+            out[f"{short}_n"] = int(n)
+    return out
+
+
 # --- one server, its workloads --------------------------------------------------------------------------
 def serve_and_run(
     label: str, model: Path, name: str, backend: str, args: list[str], workloads: list[str], table: dict,
@@ -169,10 +205,13 @@ def serve_and_run(
             # prompts of their own for every burst of every workload: a repeated prompt would hit the prefix cache
             base_seed = 1 + 2 * list(table).index(wname)
             for burst, seed in (("cold", base_seed), ("warm", base_seed + 1)):
-                off = server.log_size()
+                off, before = server.log_size(), metric_sums(server.metrics())
                 data = bench(server, model, w, seed, work, f"{label}-{wname}-{burst}")
                 jit = [ln for ln in server.log_since(off).splitlines() if JIT_MARK in ln]
-                rec["runs"].setdefault(wname, {})[burst] = {"summary": summary(data), "jit": jit, "client": data}
+                rec["runs"].setdefault(wname, {})[burst] = {
+                    "summary": summary(data), "jit": jit, "phases": phases(before, metric_sums(server.metrics())),
+                    "client": data,
+                }  # fmt: skip
                 s = summary(data)
                 log(f"{label}: {wname} {burst}: {s['output_throughput']:.1f} tok/s, TTFT median "
                     f"{s['median_ttft_ms']:.0f} p99 {s['p99_ttft_ms']:.0f} ms, TPOT {s['median_tpot_ms']:.1f} ms, "
@@ -220,9 +259,14 @@ def compare(results: dict, table: dict) -> list[dict]:
                 br = base["runs"].get(bw, {}).get(burst)
                 if "summary" not in r or not br or "summary" not in br:
                     continue
-                rows.append({"model": pair, "workload": wname, "burst": burst, "baseline_row": bw,
-                             **{k: round(v, 3) if v is not None else None for k, v in ratios(br, r).items()},
-                             "jit_elastic": len(r["jit"]), "jit_baseline": len(br["jit"])})  # fmt: skip
+                row = {"model": pair, "workload": wname, "burst": burst, "baseline_row": bw,
+                       **{k: round(v, 3) if v is not None else None for k, v in ratios(br, r).items()},
+                       "jit_elastic": len(r["jit"]), "jit_baseline": len(br["jit"])}  # fmt: skip
+                # mean ms per request in vLLM's queue and prefill phases, baseline then elastic
+                for ph in ("queue", "prefill"):
+                    if ph in br.get("phases", {}) and ph in r.get("phases", {}):
+                        row[f"{ph}_ms"] = [br["phases"][ph], r["phases"][ph]]
+                rows.append(row)
     return rows
 
 
@@ -280,6 +324,13 @@ def markdown(d: dict) -> str:
             f"| {r['model']} | {r['workload']} | {r['burst']} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
             f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} |"
         )
+    split = [r for r in d["comparison"] if "queue_ms" in r and "prefill_ms" in r]
+    if split:
+        lines += ["", "Where TTFT goes (vLLM's `request_queue_time` / `request_prefill_time` histograms, mean ms per"
+                  " request, baseline -> elastic):", "", "| model | workload | burst | queued | prefill |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['model']} | {r['workload']} | {r['burst']} | {r['queue_ms'][0]:.0f} -> {r['queue_ms'][1]:.0f} "
+                  f"| {r['prefill_ms'][0]:.0f} -> {r['prefill_ms'][1]:.0f} |" for r in split]  # fmt: skip
     if d["targets"]:
         lines += ["", "| target | measured | |", "|---|---|---|"]
         lines += [f"| {t['what']} | {t['value']} | {'met' if t['met'] else 'not met'} |" for t in d["targets"]]

@@ -52,6 +52,33 @@ def test_report_merges_runs_and_computes_ratios(tmp_path):
     assert "| llama | fa32k | warm | 1.00x |" in md and "not met" in md
 
 
+def test_phases_are_per_burst_means_of_vllms_histograms():
+    """Two /metrics scrapes around a burst give its per-request queue / prefill means (label sets summed)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_bench import metric_sums, phases
+
+    def scrape(q_sum, q_n, p_sum):
+        return "\n".join([
+            "# HELP vllm:request_queue_time_seconds x",
+            f'vllm:request_queue_time_seconds_sum{{engine="0",model_name="m"}} {q_sum / 2}',
+            f'vllm:request_queue_time_seconds_sum{{engine="1",model_name="m"}} {q_sum / 2}',
+            f'vllm:request_queue_time_seconds_count{{engine="0",model_name="m"}} {q_n}',
+            f'vllm:request_queue_time_seconds_bucket{{le="1.0"}} {q_n}',
+            f'vllm:request_prefill_time_seconds_sum{{model_name="m"}} {p_sum}',
+            f'vllm:request_prefill_time_seconds_count{{model_name="m"}} {q_n}',
+            "vllm:iteration_tokens_total_sum 4096.0",
+            "vllm:iteration_tokens_total_count 4.0",
+            "elastic:requests_total 3.0",
+        ])  # fmt: skip
+
+    before, after = metric_sums(scrape(1.0, 10, 2.0)), metric_sums(scrape(5.0, 30, 3.0))
+    assert before["vllm:request_queue_time_seconds_sum"] == 1.0 and "elastic:requests_total" not in before
+    ph = phases(before, after)
+    assert ph["queue"] == 200.0 and ph["queue_n"] == 20  # (5 - 1) s over 20 requests
+    assert ph["prefill"] == 50.0
+    assert "step_tokens" not in ph and "decode" not in ph  # no new steps between the scrapes, no decode histogram
+
+
 @pytest.mark.slow
 def test_dry_run_serves_elastic_through_vllms_client(tmp_path):
     """The benchmark end to end on the CPU build: `vllm serve --attention-backend elastic` (tiny Llama shape with
@@ -70,6 +97,8 @@ def test_dry_run_serves_elastic_through_vllms_client(tmp_path):
         for burst in ("cold", "warm"):
             s = rec["runs"][w][burst]["summary"]
             assert s["completed"] == n and s["failed"] == 0, (w, burst, s)
+            ph = rec["runs"][w][burst]["phases"]  # vLLM's own histograms, one observation per request
+            assert ph["queue_n"] == n and ph["prefill"] > 0, (w, burst, ph)
     assert '"elastic_force": "all-FA"' in rec["runs"]["fa32k"]["warm"]["client"]["_client_argv"]
     calls = [ln for ln in rec["elastic_metrics"] if ln.startswith("elastic:attention_forward_calls_total")]
     assert calls and float(calls[0].split()[-1]) > 0
