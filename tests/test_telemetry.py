@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,6 +70,10 @@ def test_serve_argv_adds_elastic_unless_another_backend():
     assert vllm_serve_argv("m", ["--port", "1"])[-2:] == ["--attention-backend", "elastic"]
     argv = vllm_serve_argv("m", ["--attention-backend=TRITON_ATTN"])
     assert argv.count("--attention-backend") == 0 and argv[-1] == "--attention-backend=TRITON_ATTN"
+    # this interpreter's vLLM, not whichever `vllm` script is first on PATH (or none: a PYTHONPATH install)
+    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "m"]
+    r = subprocess.run([*argv[:3], "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "serve" in r.stdout, r.stderr[-2000:]
 
 
 def test_earlier_pipeline_stage_counts_its_layers_only():

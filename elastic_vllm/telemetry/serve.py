@@ -19,6 +19,7 @@ as its child:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -66,7 +67,9 @@ def prepare_multiproc_dir(base: str | None = None) -> Path:
 
 
 def vllm_serve_argv(model: str, extra: list[str]) -> list[str]:
-    argv = ["vllm", "serve", model, *extra]
+    """``vllm serve`` through this interpreter's vLLM (the one the plugin is installed in): a ``vllm`` script on
+    PATH may belong to another environment, and an environment on PYTHONPATH alone has none."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *extra]
     if not any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in extra):
         argv += ["--attention-backend", "elastic"]
     return argv
@@ -129,6 +132,13 @@ def run_serve(model: str | None, extra: list[str]) -> int:
         from elastic_vllm.models import fetch_demo_model
 
         model = str(fetch_demo_model())
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            f"elastic-vllm serve: error: vLLM is not installed in this Python ({sys.executable}) "
+            "(fix: bash scripts/install.sh: it installs vLLM, its CPU build when there is no NVIDIA GPU)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         from elastic_vllm.vllm_plugin.precheck import check_serve_args
 
@@ -167,7 +177,8 @@ def run_serve(model: str | None, extra: list[str]) -> int:
     argv = vllm_serve_argv(model, extra)
     fd, log_name = tempfile.mkstemp(prefix=LOG_PREFIX, suffix=".log")
     log_path = Path(log_name)
-    print(f"elastic-vllm serve: {' '.join(argv)} (log: {log_path})", file=sys.stderr, flush=True)
+    shown = " ".join(["vllm", *argv[3:]])  # as typed on a shell
+    print(f"elastic-vllm serve: {shown} (log: {log_path})", file=sys.stderr, flush=True)
     died = False
     try:
         with os.fdopen(fd, "w") as log:
