@@ -1,4 +1,4 @@
-"""P13.3 / P13.6 `elastic-vllm serve` as a supervisor, against a stand-in ``vllm`` on PATH (a script that
+"""P13.3 / P13.6 `elastic-vllm serve` as a supervisor, against a stand-in ``vllm`` (a script that
 prints a given log and exits with a given code), so that every outcome runs in a second:
 
 - a clean exit: code 0, the log file and the Prometheus folder removed;
@@ -57,9 +57,16 @@ def run_wrapper(tmp_path: Path, log: str, code: int, args: tuple[str, ...] = ())
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", TMPDIR=str(tmp), PYTHONPATH=str(REPO))
+    env.update(TMPDIR=str(tmp), PYTHONPATH=str(REPO))
+    # the wrapper runs vLLM as `python -m vllm.entrypoints.cli.main` (test_telemetry checks that argv); here its
+    # argv builder points at the stand-in, the rest of the wrapper runs unchanged
+    driver = (
+        "import sys; import elastic_vllm.telemetry.serve as s; from elastic_vllm.cli import main; "
+        f"s.vllm_serve_argv = lambda model, extra: [{str(fake)!r}, 'serve', model, *extra]; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
     p = subprocess.run(
-        [sys.executable, "-m", "elastic_vllm.cli", "serve", str(tmp_path / "model"), *args],
+        [sys.executable, "-c", driver, "serve", str(tmp_path / "model"), *args],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     ran = env_out.is_file()
