@@ -214,22 +214,15 @@ def _xa_loop(
 # A step's prefill rows start after its decode rows, so seq_lens / block_table / head_modes arrive offset by
 # num_decodes elements (16-byte alignment comes and goes) and num_reqs takes any value; specialising on them
 # compiled new variants while serving (vLLM's JIT monitor flagged _prefill_kernel in the first 1K-prompt burst).
-# Strides are not specialised either: the block table's row stride follows max_model_len, so the warm-up's
-# synthetic batch would otherwise compile another variant than the engine's (seen in the first 8K burst).
+# The block table's row stride follows max_model_len, so the warm-up's synthetic batch would otherwise compile
+# another variant than the engine's (seen in the first 8K burst): not specialised. The q / o / cache strides
+# are (multiples of 16 in the engine and the warm-up alike, head sizes being multiples of 16): that is what
+# makes the K / V tile copies 16-byte cp.async (144 LDGSTS.128 in the sm_90 build); without it they were
+# 448 2-byte loads and the H200's 8K prefills took 1.56x longer.
 @triton.jit(
     do_not_specialize=[
         "n_tiles",
         "num_reqs",
-        "s_qt",
-        "s_qh",
-        "s_ot",
-        "s_oh",
-        "s_kb",
-        "s_kt",
-        "s_kh",
-        "s_vb",
-        "s_vt",
-        "s_vh",
         "s_bt",
         "s_hm0",
         "s_xi0",

@@ -95,12 +95,7 @@ def _est_tile(
 
 
 @triton.jit(
-    do_not_specialize=[
-        "s_qt",
-        "s_qh",
-        "s_kb",
-        "s_kt",
-        "s_kh",
+    do_not_specialize=[  # q / cache strides specialised: 16-byte loads (csrc/prefill.py)
         "s_bt",
         "s_hm0",
         "s_xi0",

@@ -15,7 +15,7 @@ case "${1:?prep or run}" in
       sha=$(git rev-parse --short --verify "$ref^{commit}")
       mkdir -p ".abtest/trees/$sha"
       # router_weights/ stays behind (7.8 MB): the llama server's router is made by serve_bench itself
-      git archive "$sha" elastic_vllm csrc benchmarks setup.py pyproject.toml \
+      git archive "$sha" elastic_vllm csrc benchmarks setup.py pyproject.toml README.md \
         | tar -x -C ".abtest/trees/$sha" --exclude 'benchmarks/results' --exclude 'benchmarks/data'
       echo ".abtest/trees/$sha"
     done
@@ -27,6 +27,7 @@ case "${1:?prep or run}" in
     printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/ab-bin/vllm && chmod +x /tmp/ab-bin/vllm
     M=$(PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD python3 -c "from elastic_vllm.models import fetch_demo_model; \
       print(fetch_demo_model(gguf='/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf', quiet=True))")
+    rm -rf /tmp/serve-bench-*  # the raw copies below are this tree's only
     for t in .abtest/trees/*/; do
       sha=$(basename "$t")
       (
