@@ -392,7 +392,7 @@ TUNE_CANDIDATES = [
     {"bs": 16, "block_n": 128, "num_warps": 8, "num_stages": 3},
     {"bs": 16, "block_n": 64, "num_warps": 8, "num_stages": 3},
     {"bs": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
-    # two programs per SM (sm_90 build, results/experiments/sm90-build.json: 251 registers at 4 warps, no stack, 112 KB of
+    # two programs per SM (sm_90 build, results/experiments/sm90-build.json: 249 registers at 4 warps, no stack, 112 KB of
     # shared memory, against 255 / 224 KB for the 128 x 128 default): one program's softmax can run under the other's MMAs without warp
     # specialization, at twice the K/V reads from L2 per FLOP (measured slower: 22.10 vs 16.56 ms dense at 32K,
     # kernels-prefill-fa3-h200.json)
