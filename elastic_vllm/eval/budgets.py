@@ -149,9 +149,8 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
                 res = _run(engine, name, rows, texts, opts, elastic_cfg,
                            per_row=lambda b, t=t: random_budget(t, b, L, H, gen))  # fmt: skip
             add(res)
-            log(
-                f"[{time.perf_counter() - t_start:6.1f}s] {name}: {len(rows)} prompts ({time.perf_counter() - t0:.1f} s)"
-            )
+            now = time.perf_counter()
+            log(f"[{now - t_start:6.1f}s] {name}: {len(rows)} prompts ({now - t0:.1f} s)")
     res = {
         "kind": "elastic-vllm budgets",
         "complete": not skipped,

@@ -36,9 +36,7 @@ class RouteRow:
     decode_phase: bool  # the row's queries lie past the prompt: decode_mode applies to its attention
     final_slot: int | None  # routing-table slot when this routing is the request's final one
     sa_share: float | None = None  # benchmarks: fixed assignment with this SA share (fixed_share_fa)
-    bias: float = (
-        0.0  # routing bias (elastic_bias, the server's bias, the load policy): FA iff z_FA - z_SA > bias - sa_margin
-    )
+    bias: float = 0.0  # routing bias (its own, the server's + the load policy's): FA iff z_FA - z_SA > bias - sa_margin
     target: float | None = None  # fixed SA budget (elastic_target_omega / target_omega): budget_sa_counts
 
 
@@ -307,7 +305,8 @@ class TritonRouter:
             self._epilogue_checked = True
         self._launcher(key_cache, cfg)(
             key_cache, rb.block_table, rb.rows_i32, rb.ends, self.slots[:R], layer, epilogue=ep,
-            fa_value=int(cfg.fa_mode), sa_value=int(cfg.sa_mode), sa_margin=effective_margin(cfg.sa_margin, rb.uniform_bias),
+            fa_value=int(cfg.fa_mode), sa_value=int(cfg.sa_mode),
+            sa_margin=effective_margin(cfg.sa_margin, rb.uniform_bias),
         )  # fmt: skip
 
     def logits(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch, cfg: ElasticConfig) -> torch.Tensor:

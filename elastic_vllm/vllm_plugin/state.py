@@ -511,8 +511,10 @@ class EngineState(compat.RunnerObserver):
         counts = self.budget_tables.get(target)
         if counts is None:
             g = len(self.kv_heads)
-            counts = budget_sa_counts(target, self.num_layers, self.kv_heads[0] // g, self.shape.num_kv_heads // g, g)
-            counts = self.budget_tables[target] = counts
+            groups = self.shape.num_kv_heads // g
+            counts = self.budget_tables[target] = budget_sa_counts(
+                target, self.num_layers, self.kv_heads[0] // g, groups, g
+            )
             while len(self.budget_tables) > SHARE_TABLES:
                 self.budget_tables.pop(next(iter(self.budget_tables)))
         return counts
