@@ -87,3 +87,22 @@ def test_prefix_cache_isolates_knob_values(llm):
     assert run({"elastic_bias": 2.0})[0] == 0
     assert run({"elastic_bias": 1.0})[0] >= 32 * 10
     assert run(None)[0] == 0  # nor does a default request
+
+
+@pytest.mark.parametrize(
+    "xargs, msg",
+    [
+        ({"elastic_target_omega": 2}, r"vllm_xargs.elastic_target_omega: must be in \[0, 1\] \(got 2\)"),
+        ({"elastic_target_omega": True}, r"vllm_xargs.elastic_target_omega: must be a number"),
+        ({"elastic_bias": float("nan")}, r"vllm_xargs.elastic_bias: must be a finite number"),
+        ({"elastic_bias": 1.0, "elastic_force": "all-SA"}, r"elastic_bias: cannot be combined with elastic_force"),
+    ],
+)
+def test_offline_admission_refuses_bad_knobs_naming_the_field(llm, xargs, msg):
+    """Offline (``SamplingParams.extra_args``) the same check runs before the engine sees the request."""
+    from vllm.exceptions import VLLMValidationError
+
+    before = len(state_of(llm).live_request_ids())
+    with pytest.raises(VLLMValidationError, match=msg):
+        llm.generate([document("refused")], greedy(2, xargs=xargs), use_tqdm=False)
+    assert len(state_of(llm).live_request_ids()) == before  # nothing reached the engine
