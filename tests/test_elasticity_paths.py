@@ -36,6 +36,41 @@ def test_fused_router_applies_a_shared_bias_like_the_glue():
         assert torch.equal(fa[sure], want[sure])
 
 
+def test_fused_router_applies_a_bias_per_row():
+    """Rows with different biases (clients' own, load levels) keep the fused kernel too: each row its own float32
+    threshold bias - sa_margin, the same decisions as the torch glue."""
+    from elastic_vllm.vllm_plugin.routing import RouteRow, TritonRouter, build_route_batch, route_layer
+
+    batch, rope, router, lens, z, m = _case()
+    R = len(lens)
+    k = TritonRouter(router, rope, 2, 2, R, "cpu")
+    biases = [m, -m, 0.0, 0.5 * m]
+    rows = [RouteRow(i, n, "auto", False, i, bias=biases[i]) for i, n in enumerate(lens)]
+    rb = build_route_batch(rows, batch.block_table, 16, "boundary", 100)
+    assert not rb.needs_glue and rb.uniform_bias is None
+    cfg = ElasticConfig(sa_margin=0.25 * m)
+    tables = poisoned_tables(R)
+    k.route_into(1, batch.key_cache, rb, cfg, tables)
+    _, glue, _, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+    seen = set()
+    for i, bias in enumerate(biases):
+        want = decide(z[i], effective_margin(cfg.sa_margin, bias))
+        sure = ((z[i, :, 1] - z[i, :, 0]) - bias + cfg.sa_margin).abs() > 1e-4
+        assert torch.equal(tables[2][i, 1][sure], want[sure]), i
+        assert torch.equal((tables[1][i, 1] == 0)[sure], want[sure]), i
+        assert torch.equal(glue[i][sure], want[sure]), i
+        seen.add(tuple(want.tolist()))
+    assert len(seen) > 1  # the biases make the rows decide differently
+    from dataclasses import replace
+
+    from elastic_vllm.csrc.route import RouteEpilogue, check_epilogue
+
+    ep = RouteEpilogue(rb.rows_i32, rb.force, rb.decode_phase, rb.final_slot_row, *tables, False, rb.neg_margins)
+    check_epilogue(ep, R, 2, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="neg_margins"):
+        check_epilogue(replace(ep, neg_margins=rb.neg_margins.double()), R, 2, 2, torch.device("cpu"))
+
+
 def test_glue_mixes_biases_budgets_and_plain_rows():
     from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch, route_layer
 

@@ -70,12 +70,13 @@ class RouteBatch:
     biases: torch.Tensor | None = None  # [R, 1] float64 biases when they differ (the margin is rounded to float32 once)
     budget_idx: torch.Tensor | None = None  # [T] long: routing rows with a fixed SA budget (target)
     budget_sa: torch.Tensor | None = None  # [T, L] long: their SA heads per layer (this rank's heads)
+    neg_margins: torch.Tensor | None = None  # [R] float32 bias - sa_margin when biases differ (the fused kernel's)
 
     @property
     def needs_glue(self) -> bool:
-        """Some row's decisions are not the fused kernel's single-margin argmax: fixed shares, budgets, or
-        per-row margins (biases) run through :func:`route_layer`."""
-        return self.share_idx is not None or self.budget_idx is not None or self.uniform_bias is None
+        """Some row's decisions are not the fused kernel's thresholded argmax: fixed shares and budgets (a budget
+        ranks the heads of a row, which one (row, head) program cannot) run through :func:`route_layer`."""
+        return self.share_idx is not None or self.budget_idx is not None
 
 
 def fixed_share_fa(share: float, num_layers: int, kv_heads: Sequence[int], total_kv_heads: int) -> torch.Tensor:
@@ -288,17 +289,19 @@ class TritonRouter:
         glue of :func:`route_layer` + ``EngineState.route`` (forced rows, decision -> mode, decode-phase
         modes, this step's row modes, the per-request tables of final routings) in the router's finishing
         program, two launches per layer instead of ~14 small ops. ``tables``: (row_modes [L, B, Hkv],
-        table_modes, table_fa, table_logits) of the engine state. Every row shares ``rb.uniform_bias`` (the
-        kernel's margin is the server's less that bias); rows with a fixed SA share or budget, or different biases,
-        use :func:`route_layer` (``RouteBatch.needs_glue``)."""
+        table_modes, table_fa, table_logits) of the engine state. Rows sharing one bias give the kernel one margin
+        (the server's less that bias); rows with different biases give it a threshold per row (``neg_margins``);
+        rows with a fixed SA share or budget use :func:`route_layer` (``RouteBatch.needs_glue``)."""
         from elastic_vllm.csrc.route import RouteEpilogue, check_epilogue
 
         R = rb.rows.numel()
         row_modes, t_modes, t_fa, t_logits = tables
+        if rb.biases is not None and rb.neg_margins is None:  # once per step: the rows' own thresholds
+            rb.neg_margins = (rb.biases - cfg.sa_margin).float().view(-1).contiguous()
         ep = RouteEpilogue(
             rows=rb.rows_i32, force=rb.force, decode_phase=rb.decode_phase, final_slot=rb.final_slot_row,
             row_modes=row_modes, table_modes=t_modes, table_fa=t_fa, table_logits=t_logits,
-            decode_dense=cfg.decode_mode == "dense",
+            decode_dense=cfg.decode_mode == "dense", neg_margins=rb.neg_margins,
         )  # fmt: skip
         if not self._epilogue_checked:  # the engine's tables and RouteBatch dtypes never change: once
             check_epilogue(ep, R, row_modes.shape[0], row_modes.shape[2], key_cache.device)
@@ -306,7 +309,7 @@ class TritonRouter:
         self._launcher(key_cache, cfg)(
             key_cache, rb.block_table, rb.rows_i32, rb.ends, self.slots[:R], layer, epilogue=ep,
             fa_value=int(cfg.fa_mode), sa_value=int(cfg.sa_mode),
-            sa_margin=effective_margin(cfg.sa_margin, rb.uniform_bias),
+            sa_margin=effective_margin(cfg.sa_margin, rb.uniform_bias or 0.0),
         )  # fmt: skip
 
     def logits(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch, cfg: ElasticConfig) -> torch.Tensor:
