@@ -72,13 +72,19 @@ class LoadPolicy(BaseModel):
     max_bias: float = Field(
         32.0, gt=0.0, le=BIAS_MAX, allow_inf_nan=False, description="ceiling of the load bias, in router logits"
     )
+    # low 1: a backlog under one step's token budget is drained by the next step, so no request queues behind it;
+    # low and high are bounded by 1e6 steps, far past any queue an engine holds, so a typo cannot hide as "never"
     low: float = Field(
         1.0, ge=0.0, le=1e6, allow_inf_nan=False, description="backlog (scheduler steps) below which the bias is 0"
     )
+    # high 8: a request arriving then waits at least 8 prefill steps for its first token (not tuned on a load ramp:
+    # the GPU ramp of the issue is what measures where saturation starts)
     high: float = Field(
         8.0, gt=0.0, le=1e6, allow_inf_nan=False, description="backlog (scheduler steps) at which the bias is max_bias"
     )
+    # ema 0.2: ~5 steps of memory, so one burst step moves the smoothed backlog by a fifth of its size
     ema: float = Field(0.2, gt=0.0, le=1.0, allow_inf_nan=False, description="EMA weight of the newest step")
+    # levels 4: with 0, five salts, so prefix sharing between requests without a knob splits at most five ways
     levels: int = Field(4, strict=True, ge=1, le=64, description="bias levels above 0 (each its own cache salt)")
 
     @field_validator("max_bias", "low", "high", "ema", mode="before")
