@@ -578,8 +578,13 @@ MEANINGS = {
     "force": "server-wide routing: `auto` (the router decides per request), `all-FA` (dense; needs no router), "
     "`all-SA`; a request can override it (see serving.md, Per-request override)",
     "client_overrides": "per-request overrides clients may send in `vllm_xargs` (see docs/serving.md): any of "
-    "`all-FA`, `all-SA` (as `elastic_force`), `elastic_sa_share`; others are refused with HTTP 400 naming this "
-    "field (`elastic_force: auto`, the server's own routing, always passes); `[]`: none",
+    "`all-FA`, `all-SA` (as `elastic_force`), `elastic_sa_share`, `elastic_bias`, `elastic_target_omega`; others "
+    "are refused with HTTP 400 naming this field (`elastic_force: auto`, the server's own routing, always passes); "
+    "`[]`: none",
+    "load_policy": "load-adaptive bias (opt-in, vLLM only): the engine raises the routing bias of requests that "
+    "set no knob of their own as its prefill backlog grows (see docs/serving.md, Elasticity control); the live "
+    "bias is the `elastic:load_bias` gauge",
+    "load_policy.enabled": "turn the policy on (needs `force: auto`, not with `target_omega`)",
     "chunk_routing": "chunked prefill: chunks before the one that completes the prompt run with the routing of "
     "the prefix so far (`prefix`) or with every head FA (`dense`); the chunk that completes the prompt decides "
     "for good",
@@ -611,14 +616,28 @@ def _type_name(field) -> str:
 
 def config_table() -> str:
     sys.path.insert(0, str(ROOT))
+    from pydantic import BaseModel
+
     from elastic_vllm.config import ElasticConfig
 
     rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
-    for name, f in ElasticConfig.model_fields.items():
-        meaning = f.description or MEANINGS.get(name)
-        if meaning is None:
-            raise KeyError(f"ElasticConfig.{name} has no description: add Field(description=...) or MEANINGS[{name!r}]")
-        rows.append(f"| `{name}` | {_type_name(f)} | `{json.dumps(f.default)}` | {meaning}{NOTES.get(name, '')} |")
+
+    def add(model, prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            key = prefix + name
+            meaning = f.description or MEANINGS.get(key)
+            if meaning is None:
+                raise KeyError(
+                    f"ElasticConfig.{key} has no description: add Field(description=...) or MEANINGS[{key!r}]"
+                )
+            default = f.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):  # a nested object: one row, then a row per field
+                rows.append(f"| `{key}` | object | see below | {meaning}{NOTES.get(key, '')} |")
+                add(type(default), key + ".")
+                continue
+            rows.append(f"| `{key}` | {_type_name(f)} | `{json.dumps(default)}` | {meaning}{NOTES.get(key, '')} |")
+
+    add(ElasticConfig, "")
     return "\n".join(rows) + "\n"
 
 

@@ -229,15 +229,17 @@ def _route_task_kernel(
 def _route_router_kernel(
     weights, ws_f, ws_v, cnt, slots, table, logits, s_w, s_t0, s_t1, s_t2, layer, fa_value, sa_value, neg_margin,
     e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
-    s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense,
+    s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense, e_margin,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr, NS1: tl.constexpr,
     NS2: tl.constexpr, HAS_LOGITS: tl.constexpr, USE_PDL: tl.constexpr, EPILOGUE: tl.constexpr,
+    ROW_MARGIN: tl.constexpr,
 ):  # fmt: skip
     """Launch 2: Router MLP hidden slice s2; the last slice program of (r, h) finishes the head.
     USE_PDL: launched as a programmatic dependent of launch 1: every weight load is issued before
     ``griddepcontrol.wait``, the first read of launch 1's output, so the weights arrive while launch 1
     still runs. EPILOGUE: the finishing program also applies the row's forced routing and decode-phase
-    modes and writes the engine's per-step and per-request tables (``RouteEpilogue``)."""
+    modes and writes the engine's per-step and per-request tables (``RouteEpilogue``). ROW_MARGIN: each row's
+    threshold is ``e_margin[r]`` (its -sa_margin + bias, float32) instead of ``neg_margin``."""
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_r = tl.program_id(2)
@@ -280,7 +282,11 @@ def _route_router_kernel(
         z1 = tl.sum(v * w5b, 0) + b5b
         # FA iff z1 - z0 > -sa_margin in float32, as router.model.decide (margin 0: ties -> SA, as torch.argmax);
         # non-finite logits (NaN / inf) -> FA, the mode that drops nothing
-        is_fa = ((z1 - z0) > neg_margin) | ~((tl.abs(z0) < float("inf")) & (tl.abs(z1) < float("inf")))
+        if ROW_MARGIN:  # per-request biases: each row its own float32 threshold
+            thr = tl.load(e_margin + i_r)
+        else:
+            thr = neg_margin
+        is_fa = ((z1 - z0) > thr) | ~((tl.abs(z0) < float("inf")) & (tl.abs(z1) < float("inf")))
         dec = tl.where(is_fa, fa_value, sa_value)
         i_slot = tl.load(slots + i_r).to(tl.int64)
         tl.store(table + i_slot * s_t0 + layer * s_t1 + i_h * s_t2, dec.to(table.dtype.element_ty))
@@ -317,6 +323,7 @@ class RouteEpilogue:
     ``table_modes[s, layer, h]`` = mode, ``table_fa[s, layer, h]`` = fa, ``table_logits[s, layer, h]`` =
     the two logits. ``rows``, ``final_slot`` int32 [R]; ``force``, ``decode_phase`` int8/bool [R];
     the tables any integer / bool / float32 dtypes of those shapes (last dims contiguous not required).
+    ``neg_margins`` float32 [R]: row r is FA iff z_FA - z_SA > neg_margins[r] (instead of > -sa_margin).
     """
 
     rows: torch.Tensor
@@ -328,6 +335,8 @@ class RouteEpilogue:
     table_fa: torch.Tensor  # [S, L, Hkv]
     table_logits: torch.Tensor  # [S, L, Hkv, 2], last dim contiguous
     decode_dense: bool
+    # per-row thresholds -sa_margin + bias, float32 [R] (per-request biases); None: the launch's sa_margin for all
+    neg_margins: torch.Tensor | None = None
 
 
 ROW_ALIGN = 16  # floats: packed rows start 64-byte aligned
@@ -525,17 +534,18 @@ class Router:
             fv = self.fa_value if fa_value is None else int(fa_value)
             sv = self.sa_value if sa_value is None else int(sa_value)
             nm = self.neg_margin if sa_margin is None else _neg_margin(sa_margin)
+            row_margin = epilogue is not None and epilogue.neg_margins is not None
             if epilogue is None:
-                ep = (ws_v,) * 8 + (0,) * 12 + (0,)
+                ep = (ws_v,) * 8 + (0,) * 12 + (0, ws_v)
             else:
                 e = epilogue
                 ep = (e.rows, e.force, e.decode_phase, e.final_slot, e.row_modes, e.table_modes, e.table_fa,
                       e.table_logits, *e.row_modes.stride(), *e.table_modes.stride(), *e.table_fa.stride(),
-                      *e.table_logits.stride()[:3], int(e.decode_dense))  # fmt: skip
+                      *e.table_logits.stride()[:3], int(e.decode_dense), e.neg_margins if row_margin else ws_v)  # fmt: skip
             _route_router_kernel[(self.ns2, self.hkv, R)](
                 self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw,
                 ts[0], ts[1], ts[2], layer, fv, sv, nm, *ep, HAS_LOGITS=has_lg, EPILOGUE=epilogue is not None,
-                **self.router_meta,
+                ROW_MARGIN=row_margin, **self.router_meta,
             )  # fmt: skip
 
 
@@ -563,6 +573,10 @@ def check_epilogue(e: RouteEpilogue, R: int, num_layers: int, num_kv_heads: int,
                  shape=(e.table_modes.shape[0], num_layers, num_kv_heads), device=device)  # fmt: skip
     check_tensor(e.table_logits, "table_logits", dim=4, dtypes=(torch.float32,),
                  shape=(e.table_modes.shape[0], num_layers, num_kv_heads, 2), device=device, last_contiguous=True)  # fmt: skip
+    if e.neg_margins is not None:
+        check_tensor(e.neg_margins, "neg_margins", dim=1, dtypes=(torch.float32,), shape=(R,), device=device)
+        if not e.neg_margins.is_contiguous():
+            raise ValueError("neg_margins: must be contiguous")
 
 
 def check_key_cache(key_cache: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ import json
 from enum import IntEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 Mode = Literal["FA-SSA", "FA-XA", "XA-SSA"]
 Pooling = Literal["boundary", "whole"]
@@ -22,8 +22,8 @@ ChunkRouting = Literal["prefix", "dense"]
 MODES: tuple[str, ...] = ("FA-SSA", "FA-XA", "XA-SSA")
 FORCES: tuple[str, ...] = ("auto", "all-FA", "all-SA")
 CHUNK_ROUTINGS: tuple[str, ...] = ("prefix", "dense")
-ClientOverride = Literal["all-FA", "all-SA", "elastic_sa_share"]
-CLIENT_OVERRIDES: tuple[str, ...] = ("all-FA", "all-SA", "elastic_sa_share")
+ClientOverride = Literal["all-FA", "all-SA", "elastic_sa_share", "elastic_bias", "elastic_target_omega"]
+CLIENT_OVERRIDES: tuple[str, ...] = ("all-FA", "all-SA", "elastic_sa_share", "elastic_bias", "elastic_target_omega")
 
 # Upper bound of the token counts (sink, window, pool_tokens): the Triton kernels take them as int32
 # and add two of them (e.g. a query position and a window), so 2**30 keeps every sum below 2**31; a
@@ -36,6 +36,9 @@ MAX_XATTN_BLOCK = 4096
 # |sa_margin| bound: the shipped SmolLM2 router's logit differences z_FA - z_SA reach -737 / +141 on prompts of
 # the generalization split (code/system, chat/after; float32 on the CPU), so 1024 already routes every head FA
 SA_MARGIN_MAX = 1024.0
+# |bias| bound (deployment `bias`, per-request `elastic_bias`, load policy `max_bias`): the same logit scale as
+# sa_margin, so 1024 already routes every head of the shipped router either way
+BIAS_MAX = SA_MARGIN_MAX
 
 
 class HeadMode(IntEnum):
@@ -48,6 +51,54 @@ class HeadMode(IntEnum):
 
 class ConfigError(ValueError):
     """Raised for invalid elastic configuration; the message names the field."""
+
+
+class LoadPolicy(BaseModel):
+    """Load-adaptive routing bias (opt-in): the engine raises the bias of requests that set no knob of their own
+    as its prefill backlog grows, and lowers it as the backlog falls (``vllm_plugin/load_policy.py``).
+
+    backlog = prompt tokens queued for prefill (waiting and running requests) / ``max_num_batched_tokens``, i.e.
+    scheduler steps of prefill work ahead; smoothed with an EMA (weight ``ema`` per step); bias = ``max_bias`` x
+    clamp((backlog - ``low``) / (``high`` - ``low``), 0, 1), rounded down to one of ``levels`` steps of
+    ``max_bias / levels`` (each level is a cache salt of its own: a few levels keep prefix-cache sharing)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, strict=True)
+    # Default 32, measured on the shipped SmolLM2 router (transformers, float32; 3 needle prompts of 1.5K tokens and
+    # 3 robust chats): its margins |z_FA - z_SA| have a median of ~57 logits, so a bias of 8 moves the needle prompts'
+    # Omega_MSR only 0.18 -> 0.20, 32 to 0.37-0.39 (a summary 0.68 -> 0.83), 64 already to 0.67-0.71 (retrieval
+    # heads go SA). Routers' logit scales differ: set it per router.
+    max_bias: float = Field(
+        32.0, gt=0.0, le=BIAS_MAX, allow_inf_nan=False, description="ceiling of the load bias, in router logits"
+    )
+    # low 1: a backlog under one step's token budget is drained by the next step, so no request queues behind it;
+    # low and high are bounded by 1e6 steps, far past any queue an engine holds, so a typo cannot hide as "never"
+    low: float = Field(
+        1.0, ge=0.0, le=1e6, allow_inf_nan=False, description="backlog (scheduler steps) below which the bias is 0"
+    )
+    # high 8: a request arriving then waits at least 8 prefill steps for its first token (not tuned on a load ramp:
+    # the GPU ramp of the issue is what measures where saturation starts)
+    high: float = Field(
+        8.0, gt=0.0, le=1e6, allow_inf_nan=False, description="backlog (scheduler steps) at which the bias is max_bias"
+    )
+    # ema 0.2: ~5 steps of memory, so one burst step moves the smoothed backlog by a fifth of its size
+    ema: float = Field(0.2, gt=0.0, le=1.0, allow_inf_nan=False, description="EMA weight of the newest step")
+    # levels 4: with 0, five salts, so prefix sharing between requests without a knob splits at most five ways
+    levels: int = Field(4, strict=True, ge=1, le=64, description="bias levels above 0 (each its own cache salt)")
+
+    @field_validator("max_bias", "low", "high", "ema", mode="before")
+    @classmethod
+    def _is_a_number(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"must be a number, got {type(v).__name__}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> LoadPolicy:
+        if self.high <= self.low:
+            raise ValueError(f"high ({self.high}) must be greater than low ({self.low})")
+        return self
 
 
 class ElasticConfig(BaseModel):
@@ -123,12 +174,37 @@ class ElasticConfig(BaseModel):
         "router's argmax, larger keeps more heads FA, negative routes more to SA",
     )
 
-    @field_validator("sa_margin", mode="before")
+    # Test-time elasticity (docs/serving.md, "Elasticity control"). Sign convention: a KV head runs FA iff
+    # z_FA - z_SA > bias - sa_margin, so bias > 0 routes more heads to SA (sparser), < 0 fewer (denser); a
+    # request's own elastic_bias replaces this one.
+    bias: float = Field(
+        0.0,
+        ge=-BIAS_MAX,
+        le=BIAS_MAX,
+        allow_inf_nan=False,
+        description="routing bias added to the SA side of every head's router margin, in router logits (FA iff "
+        "`z_FA - z_SA > bias - sa_margin`): `> 0` sparser, `< 0` denser, `0` = today's routing; a request's "
+        "`elastic_bias` replaces it",
+    )
+    target_omega: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="fixed SA budget per request: exactly round(target_omega x layers x KV heads) (half up) of a "
+        "request's (layer, KV head) pairs run SA, the lowest router margins of each layer (a cumulative per-layer "
+        "budget); `null` = the router decides alone; a request's `elastic_bias` / `elastic_target_omega` replaces it",
+    )
+    load_policy: LoadPolicy = Field(default_factory=lambda: LoadPolicy())
+
+    @field_validator("sa_margin", "bias", "target_omega", mode="before")
     @classmethod
-    def _margin_is_a_number(cls, v: Any) -> Any:
-        # bool is an int in Python: True would silently become a margin of 1.0
+    def _knob_is_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        # bool is an int in Python: True would silently become 1.0; only target_omega may be null (off)
+        if v is None and info.field_name == "target_omega":
+            return v
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"must be a number (a logit difference), got {type(v).__name__}")
+            raise ValueError(f"must be a number, got {type(v).__name__}")
         return v
 
     @model_validator(mode="after")
@@ -137,6 +213,15 @@ class ElasticConfig(BaseModel):
             raise ValueError(
                 f"xattn_block ({self.xattn_block}) must be a multiple of xattn_stride ({self.xattn_stride})"
             )
+        if self.bias != 0.0 and self.target_omega is not None:
+            raise ValueError("bias and target_omega cannot be combined (a fixed budget ignores the bias)")
+        knobs = [k for k, on in (("bias", self.bias != 0.0), ("target_omega", self.target_omega is not None),
+                                 ("load_policy", self.load_policy.enabled)) if on]  # fmt: skip
+        if knobs and self.force != "auto":
+            verb = "needs" if len(knobs) == 1 else "need"
+            raise ValueError(f"{', '.join(knobs)} {verb} the router, but force is {self.force!r} (use force 'auto')")
+        if self.load_policy.enabled and self.target_omega is not None:
+            raise ValueError("load_policy cannot be combined with target_omega (a fixed budget ignores the bias)")
         return self
 
     # --- derived -----------------------------------------------------------------

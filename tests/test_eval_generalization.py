@@ -20,11 +20,9 @@ from elastic_vllm.train.build import build_generalization
 from elastic_vllm.train.families import HELD_OUT
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, sources):  # noqa: F811
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a shared CPU (test_eval_harness.py says why)
-    d = tmp_path_factory.mktemp("gen")
+def tiny_suite_argv(d, sources) -> list[str]:  # noqa: F811
+    """A tiny random llama (3 layers x 2 KV heads), a random router, a generalization split and calibration prompts
+    under ``d``: the harness arguments that read them (without --suite and --out)."""
     save_tiny_model("llama", d / "model", seed=2)
     torch.manual_seed(0)
     router = ElasticRouter(3, 16)
@@ -41,10 +39,18 @@ def run(tmp_path_factory, sources):  # noqa: F811
         d / "gen", tok, sources, per_family=1, min_tokens=300, max_tokens=700, stdlib=sources / "stdlib"
     )
     calib = write_jsonl(d / "calib.jsonl.xz", calibration_prompts(tok, ESSAY, (512,), 1, seed=5))
+    argv = ["--model", str(d / "model"), "--router", str(d / "router")]
+    return [*argv, "--gen-data", str(d / "gen" / "generalization.jsonl.gz"), "--data", str(calib), "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, sources):  # noqa: F811
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices on a shared CPU (test_eval_harness.py says why)
+    d = tmp_path_factory.mktemp("gen")
     out = d / "out"
-    argv = ["--suite", "generalization", "--model", str(d / "model"), "--router", str(d / "router")]
-    argv += ["--gen-data", str(d / "gen" / "generalization.jsonl.gz"), "--data", str(calib)]
-    argv += ["--out", str(out), "--device", "cpu", "--quick", "--margins", "1000", "-1000"]
+    argv = ["--suite", "generalization", *tiny_suite_argv(d, sources)]
+    argv += ["--out", str(out), "--quick", "--margins", "1000", "-1000"]
     assert harness.main(argv) == 0
     torch.set_num_threads(n)
     return out

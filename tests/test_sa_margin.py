@@ -86,6 +86,16 @@ def test_vllm_route_layer_applies_the_margin(kernel):
     assert seen[1] > seen[0] > seen[2]
 
 
+def poisoned_tables(R: int) -> tuple[torch.Tensor, ...]:
+    """(row_modes, table_modes, table_fa, table_logits) of R rows, 2 layers, 2 KV heads; modes -7: unwritten."""
+    return (
+        torch.full((2, R, 2), -7, dtype=torch.int8),
+        torch.full((R, 2, 2), -7, dtype=torch.int8),
+        torch.zeros(R, 2, 2, dtype=torch.bool),
+        torch.zeros(R, 2, 2, 2),
+    )
+
+
 def test_vllm_fused_route_into_applies_the_margin():
     """The engine's fast path: the router kernel writes the per-request tables itself (RouteEpilogue)."""
     from elastic_vllm.vllm_plugin.routing import RouteRow, TritonRouter, build_route_batch
@@ -97,19 +107,16 @@ def test_vllm_fused_route_into_applies_the_margin():
     k = TritonRouter(router, rope, 2, 2, R, "cpu")
     for margin in (0.0, m):
         cfg = ElasticConfig(sa_margin=margin, decode_mode="sparse")
-        tables = (
-            torch.full((2, R, 2), -7, dtype=torch.int8),
-            torch.full((R, 2, 2), -7, dtype=torch.int8),
-            torch.zeros(R, 2, 2, dtype=torch.bool),
-            torch.zeros(R, 2, 2, 2),
-        )
+        tables = poisoned_tables(R)
         k.route_into(1, batch.key_cache, rb, cfg, tables)
         sure = ((z[..., 1] - z[..., 0]) + margin).abs() > 1e-4
         assert torch.equal(tables[2][:, 1][sure], decide(z, margin)[sure])
         assert torch.equal((tables[1][:, 1] == 0)[sure], decide(z, margin)[sure])
 
 
-def test_transformers_path_applies_the_margin():
+def tiny_elastic():
+    """(model, its ElasticState, router, input ids [2, 40]): the tiny llama (3 layers, 2 KV heads) with a random
+    router whose last layer is scaled so that its logits differ by more than float32 noise."""
     from elastic_vllm.hf import enable_elastic
     from elastic_vllm.hf.testing import tiny_model
 
@@ -120,7 +127,11 @@ def test_transformers_path_applies_the_margin():
             layer.cls_router_head_agnostic[4].weight.mul_(30.0)
     model = tiny_model("llama")
     state = enable_elastic(model, {"sink": 4, "window": 12}, router)
-    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    return model, state, router, torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def test_transformers_path_applies_the_margin():
+    model, state, router, ids = tiny_elastic()
     model(input_ids=ids)
     z0 = state.last_logits[:, 0].clone()  # layer 0's keys do not depend on any routing; later layers' do
     with torch.no_grad():  # 4 heads at layer 0: centre them so that two prefer SA

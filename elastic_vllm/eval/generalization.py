@@ -273,18 +273,22 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
         "skipped": skipped,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    out = Path(opts.out)
+    return write_outputs(res, samples, Path(opts.out), plot, "generalization", markdown, log)
+
+
+def write_outputs(res: dict, samples: list[dict], out: Path, plot_fn, name: str, markdown_fn, log) -> dict:
+    """samples.jsonl.gz, ``name``.png (``plot_fn``), results.json and results.md (``markdown_fn``) of a suite run."""
     out.mkdir(parents=True, exist_ok=True)
     with gzip.open(out / "samples.jsonl.gz", "wt", encoding="utf-8") as f:
         for s in samples:
             f.write(json.dumps(s, ensure_ascii=False) + "\n")
     try:
-        res["plots"] = [str(plot(res, out / "generalization.png"))]
+        res["plots"] = [str(plot_fn(res, out / f"{name}.png"))]
     except ImportError as e:  # the GPU image may lack matplotlib: plot later from results.json
-        res["plots"] = f"not written ({e}); run: python3 -m elastic_vllm.eval.generalization {out / 'results.json'}"
+        res["plots"] = f"not written ({e}); run: python3 -m elastic_vllm.eval.{name} {out / 'results.json'}"
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(res))
-    log(markdown(res))
+    (out / "results.md").write_text(markdown_fn(res))
+    log(markdown_fn(res))
     return res
 
 

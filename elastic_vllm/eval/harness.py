@@ -1,6 +1,6 @@
 """Accuracy harness: RULER (sparsity-sensitive) and robust tasks, Elastic vs dense vs static baselines.
 
-Why one file of ~620 lines: one suite's run (records, cells, aggregation, targets, report) over the engine of
+Why one file of ~630 lines: one suite's run (records, cells, aggregation, targets, report) over the engine of
 ``eval/engine.py``; the other suites (generalization, agreement) share that engine, not this file.
 
     python3 benchmarks/accuracy.py --model DIR --router DIR --lengths 4096 8192 --samples 20 \\
@@ -284,9 +284,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--suite",
         default="accuracy",
-        choices=["accuracy", "generalization"],
+        choices=["accuracy", "generalization", "budgets"],
         help="accuracy: RULER + robust tasks (this module); generalization: the held-out task families, per "
-        "family, Elastic vs dense vs the static hybrid at Elastic's Omega_MSR (eval/generalization.py)",
+        "family, Elastic vs dense vs the static hybrid at Elastic's Omega_MSR (eval/generalization.py); budgets: "
+        "score vs realized Omega_MSR at fixed SA budgets, router-ranked vs static vs random heads (eval/budgets.py)",
+    )
+    p.add_argument(
+        "--targets",
+        nargs="+",
+        type=float,
+        help="budgets: the SA budgets (default 0.25 0.5 0.75 0.9)",
     )
     p.add_argument(
         "--gen-data",
@@ -356,6 +363,10 @@ def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> d
         from elastic_vllm.eval.generalization import run as run_generalization
 
         return run_generalization(opts, argv or list(getattr(sys, "orig_argv", sys.argv)), log)
+    if getattr(opts, "suite", "accuracy") == "budgets":
+        from elastic_vllm.eval.budgets import run as run_budgets
+
+        return run_budgets(opts, argv or list(getattr(sys, "orig_argv", sys.argv)), log)
     t_start = time.perf_counter()
     device = torch.device(opts.device)
     if opts.quick:

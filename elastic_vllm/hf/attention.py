@@ -19,7 +19,7 @@ from elastic_vllm.config import HeadMode
 from elastic_vllm.hf import ops
 from elastic_vllm.hf.state import ElasticState
 from elastic_vllm.reference.attention import hybrid_attention_ref
-from elastic_vllm.router.model import decide
+from elastic_vllm.router.model import budget_sa_counts, decide, decide_budget, effective_margin
 
 ATTN_IMPLEMENTATION = "elastic"
 
@@ -89,8 +89,11 @@ def _route(state: ElasticState, module, layer: int, k_pos: torch.Tensor, k_valid
     elif state.fixed_routing is not None:
         fixed = state.fixed_routing.to(dev).bool()
         is_fa = (fixed[layer] if fixed.dim() == 2 else fixed[:, layer]).expand(B, -1)
+    elif logits is not None and cfg.target_omega is not None:  # a fixed budget: the layer's lowest margins go SA
+        n_sa = budget_sa_counts(cfg.target_omega, state.num_layers, 0, 1, state.num_kv_heads)[layer]
+        is_fa = decide_budget(logits, torch.full((B,), n_sa, dtype=torch.long, device=logits.device))
     elif logits is not None:
-        is_fa = decide(logits, cfg.sa_margin)
+        is_fa = decide(logits, effective_margin(cfg.sa_margin, cfg.bias))
     else:
         raise RuntimeError("elastic attention with force='auto' needs a router (or state.fixed_routing)")
     state.record(layer, is_fa, logits)

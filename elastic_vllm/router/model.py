@@ -108,8 +108,50 @@ def decide(logits: torch.Tensor, sa_margin: float = 0.0) -> torch.Tensor:
     warns.
     """
     z = logits.float()
-    # torch compares a float32 tensor with a Python float at float32, as the kernel receives its threshold
-    return ((z[..., FA_INDEX] - z[..., 1 - FA_INDEX]) > -float(sa_margin)) | ~torch.isfinite(z).all(-1)
+    # torch compares a float32 tensor with a Python float at float32, as the kernel receives its threshold;
+    # a tensor of margins (one per row, [R, 1]: per-request biases) is float32 as well
+    thr = -sa_margin.float() if isinstance(sa_margin, torch.Tensor) else -float(sa_margin)
+    return ((z[..., FA_INDEX] - z[..., 1 - FA_INDEX]) > thr) | ~torch.isfinite(z).all(-1)
+
+
+def effective_margin(sa_margin: float, bias: float) -> float:
+    """The margin :func:`decide` applies for a routing ``bias``: FA iff ``z_FA - z_SA > bias - sa_margin``, so a
+    bias > 0 sends more heads to SA (sparser), < 0 fewer (denser). Negation is exact in float64, so the float32
+    threshold is the same whichever side subtracts."""
+    return float(sa_margin) - float(bias)
+
+
+def budget_sa_counts(
+    target: float, num_layers: int, group: int = 0, num_groups: int = 1, group_heads: int = 1
+) -> list[int]:
+    """SA heads of each layer for a fixed budget ``target`` (the share of a request's (layer, KV head) pairs in SA),
+    for head group ``group`` of ``num_groups`` (tensor parallelism: the ranks' contiguous KV-head groups of
+    ``group_heads`` heads; 0 of 1 without it).
+
+    Layers route one at a time during the forward, so a ranking of every (layer, head) margin of the request is
+    not available when layer l routes. The budget is cumulative instead: over the slots p = l * num_groups + group
+    (layer-major), c(p) = floor(target * (p + 1) * group_heads + 1/2) SA heads so far, and slot p gets
+    c(p) - c(p - 1). The model-wide total is c(L * num_groups - 1) = round-half-up(target * L * H) exactly, each
+    layer's total over the groups is the same as without tensor parallelism, and each rank needs no message. The
+    trade-off: heads are ranked within a layer (and rank), not across layers, so a layer whose heads all prefer
+    FA still gives its share (a global ranking would need every layer's router before the first layer's
+    attention, i.e. a second forward)."""
+    c = [int(target * (p + 1) * group_heads + 0.5) for p in range(num_layers * num_groups)]
+    return [c[p] - (c[p - 1] if p else 0) for p in (layer * num_groups + group for layer in range(num_layers))]
+
+
+def decide_budget(logits: torch.Tensor, num_sa: torch.Tensor) -> torch.Tensor:
+    """True where the head runs FA under a fixed budget: the ``num_sa[r]`` heads of row r with the lowest margin
+    ``z_FA - z_SA`` (the router prefers SA most) run SA, ties to the lower head index. logits [R, H, 2],
+    num_sa [R] (long, on logits' device). A head with NaN / inf logits ranks last (least SA-preferred), so it goes
+    SA only when the budget needs every head: the count stays exact."""
+    z = logits.float()
+    m = z[..., FA_INDEX] - z[..., 1 - FA_INDEX]
+    m = torch.where(torch.isfinite(z).all(-1), m, torch.full_like(m, float("inf")))
+    order = torch.sort(m, dim=-1, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(m.shape[-1], device=m.device).expand_as(order).contiguous())
+    return rank >= num_sa.view(-1, 1)
 
 
 def boundary_positions(length: int, n: int, device=None) -> torch.Tensor:

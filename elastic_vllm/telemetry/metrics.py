@@ -8,6 +8,9 @@
 | elastic:router_latency_seconds       | histogram | model_name, tp_rank                |
 | elastic:requests_total               | counter   | model_name, override               |
 | elastic:live_requests                | gauge     | model_name, tp_rank                |
+| elastic:requested_bias               | histogram | model_name                         |
+| elastic:requested_target_omega       | histogram | model_name                         |
+| elastic:load_bias                    | gauge     | model_name                         |
 
 - Omega_MSR: share of KV heads (all layers, all TP ranks) routed to SA; Omega_ESR: mean pruned share
   of the causal (query, key) pairs at the request's prompt length (``elastic_vllm.sparsity``).
@@ -22,7 +25,10 @@
   ``sum(rate(..{decision="SA"}[5m])) / sum(rate(..[5m]))`` is the fleet-wide sparsity and
   ``sum by (layer)`` the per-layer SA share.
 - ``override`` is the mode the request ran with: auto, all-FA, all-SA (its own elastic_force, else the
-  server's force) or sa-share (a fixed SA share, elastic_sa_share).
+  server's force), sa-share (a fixed SA share, elastic_sa_share), bias / target-omega (its own elastic_bias /
+  elastic_target_omega) or load-bias (the load policy raised its bias).
+- ``requested_bias`` / ``requested_target_omega``: the values requests sent (those that sent one), recorded with
+  ``requests_total``; ``load_bias``: the load policy's bias level now (engine core; 0 when idle or off).
 - ``live_requests``: requests holding per-request routing state in the engine (``state.py``); 0 when idle.
 
 The metrics are written by the engine process. They reach the API server's /metrics only in
@@ -39,6 +45,10 @@ from dataclasses import dataclass
 import torch
 
 MSR_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 21))  # 0.05 .. 1.0
+# elastic_bias in router logits, [-1024, 1024]: symmetric, log-spaced (the shipped SmolLM2 router's margins
+# |z_FA - z_SA| have a median of ~57 logits and a 10% quantile of 5-20 on the demo prompts, so biases that matter
+# there lie between 4 and 256)
+BIAS_BUCKETS = (-256.0, -64.0, -16.0, -4.0, -1.0, -0.25, 0.0, 0.25, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0)
 LATENCY_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 
 
@@ -59,6 +69,8 @@ class RoutingRecord:
     count_heads: bool = True  # False on a rank replicating KV heads that another rank counts
     first_layer: int = 0  # global index of decisions' row 0 (pipeline parallelism: the stage's first layer)
     pp_last: bool = True  # on the last pipeline stage: records the router time and (TP rank 0) the request
+    requested_bias: float | None = None  # the request's own elastic_bias
+    requested_target_omega: float | None = None  # the request's own elastic_target_omega
 
 
 class _Metrics:
@@ -98,6 +110,24 @@ class _Metrics:
             "Requests holding per-request routing state in the engine (this rank); 0 when idle.",
             ["model_name", "tp_rank"],
             multiprocess_mode="livesum",
+        )
+        self.requested_bias = Histogram(
+            "elastic:requested_bias",
+            "elastic_bias sent by requests (router logits; > 0 sparser), those that sent one.",
+            ["model_name"],
+            buckets=BIAS_BUCKETS,
+        )
+        self.requested_target = Histogram(
+            "elastic:requested_target_omega",
+            "elastic_target_omega sent by requests (fixed share of SA heads), those that sent one.",
+            ["model_name"],
+            buckets=MSR_BUCKETS,
+        )
+        self.load_bias = Gauge(
+            "elastic:load_bias",
+            "Routing bias the load policy gives new requests now (router logits; 0 when idle or off).",
+            ["model_name"],
+            multiprocess_mode="mostrecent",
         )
         self._layer_children: dict[tuple[str, str, int], list[tuple]] = {}
 
@@ -158,8 +188,17 @@ def record_routing(rec: RoutingRecord) -> None:
         m.msr.labels(rec.model_name).observe(rec.omega_msr)
         m.esr.labels(rec.model_name).observe(rec.omega_esr)
         m.requests.labels(rec.model_name, rec.override).inc()
+        if rec.requested_bias is not None:
+            m.requested_bias.labels(rec.model_name).observe(rec.requested_bias)
+        if rec.requested_target_omega is not None:
+            m.requested_target.labels(rec.model_name).observe(rec.requested_target_omega)
 
 
 def set_live_requests(model_name: str, tp_rank: int, n: int) -> None:
     """The number of requests whose routing state the engine holds (updated by ``state.py``)."""
     metrics().live.labels(model_name, str(tp_rank)).set(n)
+
+
+def set_load_bias(model_name: str, bias: float) -> None:
+    """The load policy's current bias level (``vllm_plugin/load_policy.py``, engine core)."""
+    metrics().load_bias.labels(model_name).set(bias)

@@ -228,6 +228,53 @@ def install_request_validator(
 _SERVING_ELASTIC: list[Any] = [None]  # the VllmConfig of an InputProcessor of this process serving elastic
 
 
+# --- load policy in the engine core (scheduler) process ------------------------------------------
+def install_load_policy(policy_for: Callable[[Any], Any], class_path: str) -> None:
+    """When the engine serves our backend and ``policy_for(vllm_config)`` gives a policy (``load_policy.py``):
+    before every ``Scheduler.schedule`` it observes the prompt tokens queued for prefill (waiting, waiting with
+    KV held, running), and ``EngineCore.preprocess_add_request`` (the in-process client and the engine core's
+    input thread both build a Request there, block hashes included) gives the new request its bias first.
+    Same names in 0.26 and 0.32/0.33."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    def policy(vllm_config):
+        if vllm_config is None or not is_elastic_backend(
+            getattr(vllm_config.attention_config, "backend", None), class_path
+        ):
+            return None
+        return policy_for(vllm_config)
+
+    def make_schedule(original):
+        def schedule(self, *args, **kwargs):
+            p = policy(getattr(self, "vllm_config", None))
+            if p is not None:
+                from elastic_vllm.vllm_plugin.load_policy import queued_prefill_tokens
+
+                queues = (self.waiting, getattr(self, "kv_holding_waiting", ()), self.running)
+                p.observe(sum(queued_prefill_tokens(q) for q in queues))
+            return original(self, *args, **kwargs)
+
+        return schedule
+
+    def make_preprocess(original):
+        def preprocess_add_request(self, request, *args, **kwargs):
+            p = policy(getattr(self, "vllm_config", None))
+            if p is not None:
+                if self.scheduler.get_num_unfinished_requests() == 0:
+                    p.on_idle()
+                p.stamp(request)
+            return original(self, request, *args, **kwargs)
+
+        return preprocess_add_request
+
+    missing = [n for cls, n, mk in ((Scheduler, "schedule", make_schedule),
+                                    (EngineCore, "preprocess_add_request", make_preprocess))
+               if not _wrap(cls, n, mk)]  # fmt: skip
+    if missing:
+        logger.warning("elastic-vllm: vLLM lacks %s; the load policy is inactive", ", ".join(missing))
+
+
 # --- startup check in the process that builds the engine configuration ---------------------------
 def install_startup_check(check: Callable[[Any, bool], None], class_path: str) -> None:
     """Run ``check(vllm_config, http)`` right after ``EngineArgs.create_engine_config`` builds a VllmConfig

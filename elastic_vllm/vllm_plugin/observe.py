@@ -46,12 +46,16 @@ class RoutingEvent:
     omega_esr_all: float
     router_latency_s: float  # on the last pipeline stage: summed over the stages
     override: str  # the request's own elastic_force ("auto" when absent)
-    force: str  # what it ran with: its override, the server's force, or "sa-share" (elastic_sa_share)
+    force: str  # what it ran with: its override, the server's force, "sa-share", "bias", "target-omega", "load-bias"
     pooled: torch.Tensor | None = None  # float32 [L, Hkv_local, D] when ELASTIC_VLLM_RECORD_POOLED=1
     counts_heads: bool = True  # False on a rank replicating KV heads another rank counts in the metrics
     first_layer: int = 0  # pipeline parallelism: global index of the stage's first layer
     pp_rank: int = 0
     last_stage: bool = True  # records the per-request metrics (its TP rank 0) and the router time
+    requested_bias: float | None = None  # the request's own elastic_bias
+    requested_target_omega: float | None = None  # the request's own elastic_target_omega
+    bias: float = 0.0  # the bias its routing applied (its own, else the server's plus the load policy's)
+    target_omega: float | None = None  # the fixed budget its routing applied (its own, else the server's)
 
 
 @dataclass
@@ -101,6 +105,8 @@ def on_routing_final(event: RoutingEvent) -> None:
                 count_heads=event.counts_heads,
                 first_layer=event.first_layer,
                 pp_last=event.last_stage,
+                requested_bias=event.requested_bias,
+                requested_target_omega=event.requested_target_omega,
             )
         )
     except Exception:  # metrics must never take the engine down

@@ -10,26 +10,42 @@ by a fixed head assignment with that share of SA heads (:func:`routing.fixed_sha
 still runs when the request would run it (server ``force`` auto), so its cost stays in the timing.
 It cannot be combined with an ``elastic_force`` other than auto.
 
-The server's ``client_overrides`` (``ElasticConfig``) says which of ``all-FA``, ``all-SA`` and
-``elastic_sa_share`` clients may send; a request using another one is refused at admission (HTTP 400).
+Test-time elasticity: ``elastic_bias`` (a finite number in [-1024, 1024], router logits, added to the SA side of
+every head's margin: FA iff ``z_FA - z_SA > bias - sa_margin``, so > 0 is sparser) and ``elastic_target_omega``
+(a number in [0, 1]: exactly round-half-up(target x layers x KV heads) of the request's heads run SA, the ones the
+router prefers SA most in each layer, :func:`router.model.budget_sa_counts`). One of the two per request, not with
+``elastic_force`` other than auto nor with ``elastic_sa_share``; they replace the server's ``bias`` /
+``target_omega`` for that request. ``elastic_sa_share`` stays: it is the same per-layer count with fixed,
+router-independent heads (benchmark timing, and the static-ranking baseline), not a special case of the target.
+``elastic_load_bias`` is written by the engine's load policy (``load_policy.py``) and refused from clients.
+
+The server's ``client_overrides`` (``ElasticConfig``) says which of ``all-FA``, ``all-SA``,
+``elastic_sa_share``, ``elastic_bias`` and ``elastic_target_omega`` clients may send; a request using another
+one is refused at admission (HTTP 400).
 
 Prefix-cache isolation: the K/V of a prompt depend on how every earlier layer attended, i.e. on the
 routing mode the request ran with. :func:`routing_cache_salt` is added to every request's
 ``cache_salt`` at admission (``compat.install_request_validator``), so vLLM hashes the blocks of
 requests of different modes apart: a request reuses only blocks computed under its own mode
-(auto, all-FA, all-SA, or one fixed SA share) and the same server configuration.
+(auto, all-FA, all-SA, one fixed SA share, one bias or one target; the load policy adds its bias level in the
+engine core) and the same server configuration.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+from dataclasses import dataclass
 from typing import Any
 
-from elastic_vllm.config import FORCES, ConfigError, ElasticConfig, short_repr
+from elastic_vllm.config import BIAS_MAX, FORCES, ConfigError, ElasticConfig, short_repr
 
 OVERRIDE_KEY = "elastic_force"
 SHARE_KEY = "elastic_sa_share"
+BIAS_KEY = "elastic_bias"
+TARGET_KEY = "elastic_target_omega"
+LOAD_BIAS_KEY = "elastic_load_bias"  # written by the engine core's load policy, never by a client
 
 
 def request_override(extra_args: dict[str, Any] | None) -> str:
@@ -58,8 +74,56 @@ def request_sa_share(extra_args: dict[str, Any] | None) -> float | None:
     return float(value)
 
 
-def check_allowed(override: str, sa_share: float | None, cfg: ElasticConfig) -> None:
-    """Raises ValueError naming the field when the server's ``client_overrides`` does not allow it."""
+@dataclass(frozen=True)
+class Knobs:
+    """A request's own elasticity knobs (at most one is set)."""
+
+    bias: float | None = None
+    target: float | None = None
+
+    @property
+    def key(self) -> str | None:
+        return BIAS_KEY if self.bias is not None else TARGET_KEY if self.target is not None else None
+
+
+def _number(extra: dict[str, Any], key: str, lo: float, hi: float) -> float:
+    value = extra[key]
+    # bool is an int in Python, and True would silently be 1.0 (over HTTP vLLM already turns true into 1)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"vllm_xargs.{key}: must be a number in [{lo:g}, {hi:g}] (got {short_repr(value)})")
+    if not math.isfinite(value):
+        raise ValueError(f"vllm_xargs.{key}: must be a finite number in [{lo:g}, {hi:g}] (got {short_repr(value)})")
+    if not lo <= value <= hi:
+        raise ValueError(f"vllm_xargs.{key}: must be in [{lo:g}, {hi:g}] (got {short_repr(value)})")
+    return float(value)
+
+
+def request_knobs(extra_args: dict[str, Any] | None) -> Knobs:
+    """The request's ``elastic_bias`` / ``elastic_target_omega`` (see the module docstring). Raises ValueError
+    naming the field for a bad value, both together, either with ``elastic_force`` other than auto or with
+    ``elastic_sa_share``, and for ``elastic_load_bias`` (the engine's own key)."""
+    if not extra_args:
+        return Knobs()
+    if LOAD_BIAS_KEY in extra_args:
+        raise ValueError(f"vllm_xargs.{LOAD_BIAS_KEY}: set by the server's load policy, not by clients")
+    bias = _number(extra_args, BIAS_KEY, -BIAS_MAX, BIAS_MAX) if BIAS_KEY in extra_args else None
+    target = _number(extra_args, TARGET_KEY, 0.0, 1.0) if TARGET_KEY in extra_args else None
+    knobs = Knobs(bias, target)
+    if knobs.key is None:
+        return knobs
+    if bias is not None and target is not None:
+        raise ValueError(f"vllm_xargs.{BIAS_KEY}: cannot be combined with {TARGET_KEY} (send one of the two)")
+    force = request_override(extra_args)
+    if force != "auto":
+        raise ValueError(f"vllm_xargs.{knobs.key}: cannot be combined with {OVERRIDE_KEY}={force!r}")
+    if SHARE_KEY in extra_args:
+        raise ValueError(f"vllm_xargs.{knobs.key}: cannot be combined with {SHARE_KEY}")
+    return knobs
+
+
+def check_allowed(override: str, sa_share: float | None, cfg: ElasticConfig, knobs: Knobs = Knobs()) -> None:
+    """Raises ValueError naming the field when the server's ``client_overrides`` does not allow it, or when a knob
+    needs the router on a server whose ``force`` is not auto."""
     allowed = cfg.client_overrides
     if override != "auto" and override not in allowed:
         raise ValueError(
@@ -70,6 +134,11 @@ def check_allowed(override: str, sa_share: float | None, cfg: ElasticConfig) -> 
         raise ValueError(
             f"vllm_xargs.{SHARE_KEY}: not allowed by this server (elastic.client_overrides = {list(allowed)})"
         )
+    key = knobs.key
+    if key is not None and key not in allowed:
+        raise ValueError(f"vllm_xargs.{key}: not allowed by this server (elastic.client_overrides = {list(allowed)})")
+    if key is not None and cfg.force != "auto":
+        raise ValueError(f"vllm_xargs.{key}: needs the router, but this server runs elastic.force = {cfg.force!r}")
 
 
 def validate_sampling_params(params: Any, cfg: ElasticConfig | None = None) -> None:
@@ -78,8 +147,9 @@ def validate_sampling_params(params: Any, cfg: ElasticConfig | None = None) -> N
     extra = getattr(params, "extra_args", None)
     override = request_override(extra)
     share = request_sa_share(extra)
+    knobs = request_knobs(extra)
     if cfg is not None:
-        check_allowed(override, share, cfg)
+        check_allowed(override, share, cfg, knobs)
 
 
 _SERVER_CONFIGS: dict[str, tuple[ElasticConfig, str]] = {}
@@ -108,10 +178,20 @@ def server_config(vllm_config: Any) -> tuple[ElasticConfig, str] | None:
     return hit
 
 
-def routing_mode(override: str, sa_share: float | None, server_force: str) -> str:
+def routing_mode(
+    override: str, sa_share: float | None, server_force: str, knobs: Knobs = Knobs(), load_bias: float = 0.0
+) -> str:
     """The mode a request runs with, as recorded in ``elastic:requests_total{override}`` and mixed into
-    its cache salt: auto, all-FA, all-SA (its own override or the server's force), or sa-share."""
-    return "sa-share" if sa_share is not None else effective_force(override, server_force)
+    its cache salt: auto, all-FA, all-SA (its own override or the server's force), sa-share, bias,
+    target-omega (its own knob), or load-bias (the load policy raised its bias)."""
+    if sa_share is not None:
+        return "sa-share"
+    if knobs.bias is not None:
+        return "bias"
+    if knobs.target is not None:
+        return "target-omega"
+    force = effective_force(override, server_force)
+    return "load-bias" if force == "auto" and load_bias > 0 else force
 
 
 def routing_cache_salt(extra_args: dict[str, Any] | None, cfg: ElasticConfig, cfg_digest: str) -> str:
@@ -119,14 +199,43 @@ def routing_cache_salt(extra_args: dict[str, Any] | None, cfg: ElasticConfig, cf
     invalid or disallowed override was refused before this runs; here it counts as the server's default,
     as in the engine."""
     try:
-        override, share = request_override(extra_args), request_sa_share(extra_args)
-        check_allowed(override, share, cfg)
+        override, share, knobs = request_override(extra_args), request_sa_share(extra_args), request_knobs(extra_args)
+        check_allowed(override, share, cfg, knobs)
     except ValueError:
-        override, share = "auto", None
-    mode = routing_mode(override, share, cfg.force)
-    if share is not None:
-        mode = f"{mode}={share!r}"
+        override, share, knobs = "auto", None, Knobs()
+    mode = routing_mode(override, share, cfg.force, knobs)
+    value = share if share is not None else knobs.bias if knobs.bias is not None else knobs.target
+    if value is not None:
+        mode = f"{mode}={value!r}"
     return f"elastic:{mode}:{cfg_digest}"
+
+
+def load_bias_salt(load_bias: float) -> str:
+    """What the engine core appends to the cache salt of a request the load policy biased (one of its few levels)."""
+    return f"elastic:load-bias={load_bias!r}"
+
+
+def is_load_policy_eligible(extra_args: dict[str, Any] | None, cfg: ElasticConfig) -> bool:
+    """A request the load policy may bias: valid, with no elastic knob of its own (bias, target, share, force)
+    on a server routing with its router (force auto). Requests that chose keep their choice."""
+    if cfg.force != "auto":
+        return False
+    try:
+        override, share, knobs = request_override(extra_args), request_sa_share(extra_args), request_knobs(extra_args)
+    except ValueError:
+        return False
+    return override == "auto" and share is None and knobs.key is None
+
+
+def engine_load_bias(extra_args: dict[str, Any] | None, max_bias: float) -> float:
+    """The load bias the engine core wrote into a request (0 when none); a value outside [0, max_bias] means a
+    broken invariant: ValueError."""
+    if not extra_args or LOAD_BIAS_KEY not in extra_args:
+        return 0.0
+    value = extra_args[LOAD_BIAS_KEY]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= max_bias:
+        raise ValueError(f"{LOAD_BIAS_KEY}: must be a number in [0, {max_bias:g}] (got {short_repr(value)})")
+    return float(value)
 
 
 def salted(client_salt: str | None, routing_salt: str) -> str:

@@ -12,7 +12,9 @@ no CUDA, no allocation), and spawn-safe:
 - when a VllmConfig selecting elastic is built (API server, offline LLM), before any engine starts:
   configuration, model, router checkpoint and metrics folder are checked (``precheck.py``);
 - at request admission, when the engine serves elastic: ``vllm_xargs`` is validated against the server's
-  ``client_overrides``, and the request's cache salt gets its routing mode (``overrides.py``).
+  ``client_overrides``, and the request's cache salt gets its routing mode (``overrides.py``);
+- in the engine core, when ``load_policy`` is on: the scheduler's backlog sets the bias of new requests
+  (``load_policy.py``).
 
 With another backend selected nothing of the elastic backend runs.
 """
@@ -39,6 +41,7 @@ def register() -> None:
         compat.route_cpu_platform_custom_backend(BACKEND_PATH)
         compat.install_request_validator(_validate, _cache_salt, BACKEND_PATH)
         compat.install_startup_check(_startup_check, BACKEND_PATH)
+        compat.install_load_policy(_load_policy, BACKEND_PATH)
     _registered = True
 
 
@@ -62,6 +65,12 @@ def _share_vllm_logging() -> None:
     ours.addHandler(_ToVllmHandlers())
     if ours.level == logging.NOTSET:
         ours.setLevel(logging.INFO)
+
+
+def _load_policy(vllm_config):
+    from elastic_vllm.vllm_plugin.load_policy import for_config
+
+    return for_config(vllm_config)
 
 
 def _startup_check(vllm_config, http: bool) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from elastic_vllm.config import ElasticConfig, HeadMode
 from elastic_vllm.reference.rope import RopeSpec, invert_rope
-from elastic_vllm.router.model import ElasticRouter, boundary_positions, decide
+from elastic_vllm.router.model import ElasticRouter, boundary_positions, decide, decide_budget, effective_margin
 
 FORCE_CODE = {"auto": 0, "all-FA": 1, "all-SA": 2}
 
@@ -36,6 +36,8 @@ class RouteRow:
     decode_phase: bool  # the row's queries lie past the prompt: decode_mode applies to its attention
     final_slot: int | None  # routing-table slot when this routing is the request's final one
     sa_share: float | None = None  # benchmarks: fixed assignment with this SA share (fixed_share_fa)
+    bias: float = 0.0  # routing bias (its own, the server's + the load policy's): FA iff z_FA - z_SA > bias - sa_margin
+    target: float | None = None  # fixed SA budget (elastic_target_omega / target_omega): budget_sa_counts
 
 
 @dataclass
@@ -63,6 +65,18 @@ class RouteBatch:
     host: list[RouteRow]
     share_idx: torch.Tensor | None = None  # [S] long: routing rows with a fixed SA share
     share_fa: torch.Tensor | None = None  # [S, L, Hkv] bool: their fixed decisions (True = FA)
+    # the bias every row shares (the fused router kernel takes one margin scalar), or None when rows differ
+    uniform_bias: float | None = 0.0
+    biases: torch.Tensor | None = None  # [R, 1] float64 biases when they differ (the margin is rounded to float32 once)
+    budget_idx: torch.Tensor | None = None  # [T] long: routing rows with a fixed SA budget (target)
+    budget_sa: torch.Tensor | None = None  # [T, L] long: their SA heads per layer (this rank's heads)
+    neg_margins: torch.Tensor | None = None  # [R] float32 bias - sa_margin when biases differ (the fused kernel's)
+
+    @property
+    def needs_glue(self) -> bool:
+        """Some row's decisions are not the fused kernel's thresholded argmax: fixed shares and budgets (a budget
+        ranks the heads of a row, which one (row, head) program cannot) run through :func:`route_layer`."""
+        return self.share_idx is not None or self.budget_idx is not None
 
 
 def fixed_share_fa(share: float, num_layers: int, kv_heads: Sequence[int], total_kv_heads: int) -> torch.Tensor:
@@ -92,9 +106,11 @@ def build_route_batch(
     pooling: str,
     pool_tokens: int,
     share_fa: Callable[[float], torch.Tensor] | None = None,
+    budget_sa: Callable[[float], list[int]] | None = None,
 ) -> RouteBatch:
     """Gather indices of every routing row's pooled tokens, built on the block table's device.
-    ``share_fa(share)`` gives the [L, Hkv] fixed decisions of rows with an ``sa_share``."""
+    ``share_fa(share)`` gives the [L, Hkv] fixed decisions of rows with an ``sa_share``; ``budget_sa(target)``
+    the SA heads per layer of rows with a ``target`` (this rank's heads, ``budget_sa_counts``)."""
     dev = block_table.device
     pos_list, row_list = [], []
     for i, r in enumerate(rows):
@@ -117,6 +133,18 @@ def build_route_batch(
             raise RuntimeError("elastic: a routing row has an sa_share but no share_fa table was given")
         share_idx = torch.tensor([i for i, _ in shared], dtype=torch.long).to(dev, non_blocking=True)
         share = torch.stack([share_fa(v) for _, v in shared])
+    budgeted = [(i, r.target) for i, r in enumerate(rows) if r.target is not None and r.sa_share is None]
+    budget_idx = budget = None
+    if budgeted:
+        if budget_sa is None:
+            raise RuntimeError("elastic: a routing row has a target but no budget_sa function was given")
+        budget_idx = torch.tensor([i for i, _ in budgeted], dtype=torch.long).to(dev, non_blocking=True)
+        budget = torch.tensor([budget_sa(v) for _, v in budgeted], dtype=torch.long).to(dev, non_blocking=True)
+    bias_set = {r.bias for r in rows}
+    uniform = next(iter(bias_set)) if len(bias_set) == 1 else None
+    biases = None
+    if uniform is None:
+        biases = torch.tensor([[r.bias] for r in rows], dtype=torch.float64).to(dev, non_blocking=True)
     return RouteBatch(
         rows=batch_rows,
         ends=torch.tensor([r.end for r in rows], dtype=torch.int32).to(dev, non_blocking=True),
@@ -139,6 +167,10 @@ def build_route_batch(
         host=rows,
         share_idx=share_idx,
         share_fa=share,
+        uniform_bias=uniform,
+        biases=biases,
+        budget_idx=budget_idx,
+        budget_sa=budget,
     )
 
 
@@ -200,7 +232,13 @@ def route_layer(
             pooled = pooled_prerope_keys(key_cache, rb, rope)
             with torch.no_grad():
                 logits = router(layer, pooled)
-        fa = decide(logits, cfg.sa_margin)
+        if rb.biases is None:
+            fa = decide(logits, effective_margin(cfg.sa_margin, rb.uniform_bias))
+        else:  # per-row margins sa_margin - bias, each rounded to float32 once as the kernel's scalar is
+            fa = decide(logits, (cfg.sa_margin - rb.biases).float())
+        if rb.budget_idx is not None:  # fixed SA budgets (targets): the lowest margins of the layer go SA
+            b = rb.budget_idx
+            fa = fa.index_copy(0, b, decide_budget(logits.index_select(0, b), rb.budget_sa[:, layer]))
     else:
         logits = torch.zeros(R, num_kv_heads, 2, dtype=torch.float32, device=dev)
         fa = torch.zeros(R, num_kv_heads, dtype=torch.bool, device=dev)
@@ -251,23 +289,27 @@ class TritonRouter:
         glue of :func:`route_layer` + ``EngineState.route`` (forced rows, decision -> mode, decode-phase
         modes, this step's row modes, the per-request tables of final routings) in the router's finishing
         program, two launches per layer instead of ~14 small ops. ``tables``: (row_modes [L, B, Hkv],
-        table_modes, table_fa, table_logits) of the engine state. Rows with a fixed SA share use
-        :func:`route_layer`."""
+        table_modes, table_fa, table_logits) of the engine state. Rows sharing one bias give the kernel one margin
+        (the server's less that bias); rows with different biases give it a threshold per row (``neg_margins``);
+        rows with a fixed SA share or budget use :func:`route_layer` (``RouteBatch.needs_glue``)."""
         from elastic_vllm.csrc.route import RouteEpilogue, check_epilogue
 
         R = rb.rows.numel()
         row_modes, t_modes, t_fa, t_logits = tables
+        if rb.biases is not None and rb.neg_margins is None:  # once per step: the rows' own thresholds
+            rb.neg_margins = (rb.biases - cfg.sa_margin).float().view(-1).contiguous()
         ep = RouteEpilogue(
             rows=rb.rows_i32, force=rb.force, decode_phase=rb.decode_phase, final_slot=rb.final_slot_row,
             row_modes=row_modes, table_modes=t_modes, table_fa=t_fa, table_logits=t_logits,
-            decode_dense=cfg.decode_mode == "dense",
+            decode_dense=cfg.decode_mode == "dense", neg_margins=rb.neg_margins,
         )  # fmt: skip
         if not self._epilogue_checked:  # the engine's tables and RouteBatch dtypes never change: once
             check_epilogue(ep, R, row_modes.shape[0], row_modes.shape[2], key_cache.device)
             self._epilogue_checked = True
         self._launcher(key_cache, cfg)(
             key_cache, rb.block_table, rb.rows_i32, rb.ends, self.slots[:R], layer, epilogue=ep,
-            fa_value=int(cfg.fa_mode), sa_value=int(cfg.sa_mode), sa_margin=cfg.sa_margin,
+            fa_value=int(cfg.fa_mode), sa_value=int(cfg.sa_mode),
+            sa_margin=effective_margin(cfg.sa_margin, rb.uniform_bias or 0.0),
         )  # fmt: skip
 
     def logits(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch, cfg: ElasticConfig) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Per-engine state of the elastic backend: configuration, router, routing table, request lifecycle.
 
-One file of ~570 lines (a third docstrings) because :class:`EngineState` is the one object the runner hooks,
+One file of ~610 lines (a third docstrings) because :class:`EngineState` is the one object the runner hooks,
 the metadata builder and every layer's forward share within a step; what needs none of that lives apart:
 recording (``recording.py``), the parallel layout (``parallel.py``), router discovery (``router/discovery.py``).
 
@@ -62,11 +62,16 @@ from elastic_vllm.router.checkpoint import (
     load_router,
 )
 from elastic_vllm.router.discovery import resolve_router_path
+from elastic_vllm.router.model import budget_sa_counts
 from elastic_vllm.vllm_plugin import compat, observe, parallel
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import (
+    LOAD_BIAS_KEY,
+    Knobs,
     check_allowed,
     effective_force,
+    engine_load_bias,
+    request_knobs,
     request_override,
     request_sa_share,
 )
@@ -153,6 +158,10 @@ class RequestState:
     override: str  # the request's own elastic_force
     force: str  # effective: override, or the server's force when override is auto
     sa_share: float | None = None  # benchmarks: fixed SA share replacing the decisions (elastic_sa_share)
+    knobs: Knobs = field(default_factory=Knobs)  # its own elastic_bias / elastic_target_omega (recorded as requested)
+    bias: float = 0.0  # what its routing applies: its own bias, else the server's bias plus the load bias
+    target: float | None = None  # its own target, else the server's target_omega (when it sent no bias)
+    load_bias: float = 0.0  # the bias level the engine core's load policy gave it at admission
     slot: int | None = None  # our allocator's slot (None with vLLM's req_idx)
     table_slot: int | None = None  # where its final routing sits in the table
     final: bool = False
@@ -214,6 +223,7 @@ class EngineState(compat.RunnerObserver):
         self.use_v2_runner = compat.uses_v2_model_runner(vllm_config)
         self.requests: dict[str, RequestState] = {}
         self.share_tables: dict[float, torch.Tensor] = {}  # sa_share -> [L, Hkv] bool on the device
+        self.budget_tables: dict[float, list[int]] = {}  # target -> SA heads per layer (this rank)
         self.rows: list[str | None] | None = None
         self.step_tokens: dict[str, int] = {}
         self.step_computed: dict[str, int] = {}
@@ -355,20 +365,31 @@ class EngineState(compat.RunnerObserver):
         else:
             raise RuntimeError(f"elastic: request {nr.req_id} has neither prompt token ids nor embeddings")
         extra = getattr(nr.sampling_params, "extra_args", None) if nr.sampling_params is not None else None
+        client = {k: v for k, v in extra.items() if k != LOAD_BIAS_KEY} if extra else extra
         try:
-            override = request_override(extra)
-            sa_share = request_sa_share(extra)
-            check_allowed(override, sa_share, self.cfg)
+            override = request_override(client)
+            sa_share = request_sa_share(client)
+            knobs = request_knobs(client)
+            check_allowed(override, sa_share, self.cfg, knobs)
+            load_bias = engine_load_bias(extra, self.cfg.load_policy.max_bias)
         except ValueError as e:  # admission validates this; never take the engine down for it
             logger.error("elastic: request %s: %s; using the server default", nr.req_id, e)
             observe.COUNTERS.invalid_overrides += 1
-            override, sa_share = "auto", None
+            override, sa_share, knobs, load_bias = "auto", None, Knobs(), 0.0
+        if knobs.key is not None:  # its own knob replaces the server's bias / target and the load policy
+            bias, target = knobs.bias or 0.0, knobs.target
+        else:
+            bias, target = self.cfg.bias + load_bias, self.cfg.target_omega
         self.requests[nr.req_id] = RequestState(
             req_id=nr.req_id,
             prompt_len=prompt_len,
             override=override,
             force=effective_force(override, self.cfg.force),
             sa_share=sa_share,
+            knobs=knobs,
+            bias=bias,
+            target=target,
+            load_bias=load_bias,
             warmup=is_vllm_warmup_request(nr.req_id),
         )
 
@@ -421,12 +442,14 @@ class EngineState(compat.RunnerObserver):
                 slot_of_row[b] = st.table_slot
                 decode_row[b] = decode_phase
             elif seq_len >= st.prompt_len:
-                route_rows.append(RouteRow(b, st.prompt_len, st.force, decode_phase, slot, st.sa_share))
+                route_rows.append(
+                    RouteRow(b, st.prompt_len, st.force, decode_phase, slot, st.sa_share, st.bias, st.target)
+                )
                 st.table_slot = slot
                 st.final = True
                 st.pending = True
             elif st.force != "auto" or st.sa_share is not None or self.cfg.chunk_routing == "prefix":
-                route_rows.append(RouteRow(b, seq_len, st.force, False, None, st.sa_share))
+                route_rows.append(RouteRow(b, seq_len, st.force, False, None, st.sa_share, st.bias, st.target))
             else:
                 routed = False  # a chunk before the prompt's end under chunk_routing="dense": all FA
             if routed and dense:
@@ -449,6 +472,7 @@ class EngineState(compat.RunnerObserver):
                 self.cfg.pooling,
                 self.cfg.pool_tokens,
                 share_fa=self.share_table,
+                budget_sa=self.budget_counts,
             )
             observe.COUNTERS.routed_rows += len(route_rows)
         # decode-only steps keep the decode kernel: they replay FULL CUDA graphs, captured from it
@@ -480,6 +504,21 @@ class EngineState(compat.RunnerObserver):
                 self.share_tables.pop(next(iter(self.share_tables)))
         return t
 
+    def budget_counts(self, target: float) -> list[int]:
+        """SA heads per layer of this rank's KV heads for a fixed budget ``target`` (``budget_sa_counts``): the
+        ranks' head groups are contiguous blocks of ``len(kv_heads)`` global heads (replicated heads: one group
+        per head, and its replicas decide the same). Cached like the share tables (clients choose the floats)."""
+        counts = self.budget_tables.get(target)
+        if counts is None:
+            g = len(self.kv_heads)
+            groups = self.shape.num_kv_heads // g
+            counts = self.budget_tables[target] = budget_sa_counts(
+                target, self.num_layers, self.kv_heads[0] // g, groups, g
+            )
+            while len(self.budget_tables) > SHARE_TABLES:
+                self.budget_tables.pop(next(iter(self.budget_tables)))
+        return counts
+
     def _slot(self, st: RequestState) -> int:
         if st.slot is None:
             if not self.free_slots:
@@ -490,7 +529,7 @@ class EngineState(compat.RunnerObserver):
     # --- per layer (impl.forward) ----------------------------------------------------------------
     def route(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch) -> None:
         t0 = self.timer.start()
-        if self.kernel_router is not None and rb.any_auto and rb.share_idx is None:
+        if self.kernel_router is not None and rb.any_auto and not rb.needs_glue:
             # the fused path: the router kernel writes row_modes and the final routings' tables itself
             tables = (self.row_modes, self.table_modes, self.table_fa, self.table_logits)
             self.kernel_router.route_into(layer, key_cache, rb, self.cfg, tables)

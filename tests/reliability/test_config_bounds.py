@@ -85,7 +85,13 @@ def test_bounds_are_the_configs():
 
 
 def test_client_overrides_values():
-    assert ElasticConfig().client_overrides == ("all-FA", "all-SA", "elastic_sa_share")  # today's behaviour
+    assert ElasticConfig().client_overrides == (
+        "all-FA",
+        "all-SA",
+        "elastic_sa_share",
+        "elastic_bias",
+        "elastic_target_omega",
+    )  # every per-request override is allowed unless the operator narrows the list
     assert ElasticConfig.parse({"client_overrides": []}).client_overrides == ()
     for bad in (["auto"], ["sparse"], "all-FA", [True]):
         refused({"client_overrides": bad}, "client_overrides")

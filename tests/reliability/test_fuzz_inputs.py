@@ -15,9 +15,13 @@ from hypothesis import strategies as st
 from elastic_vllm.config import FORCES, ConfigError, ElasticConfig
 from elastic_vllm.vllm_plugin.ops import OPS_CHOICES, OPS_ENV, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import (
+    BIAS_KEY,
+    LOAD_BIAS_KEY,
     OVERRIDE_KEY,
     SHARE_KEY,
+    TARGET_KEY,
     effective_force,
+    request_knobs,
     request_override,
     request_sa_share,
     validate_sampling_params,
@@ -30,11 +34,12 @@ json_values = st.recursive(
     | st.integers(-(2**70), 2**70)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=12)
-    | st.sampled_from([*FORCES, "ALL-FA", "all_fa", " auto", "all-SA\x00", 0.0, 1.0, -0.0, 0.5, 1, 0]),
+    | st.sampled_from([*FORCES, "ALL-FA", "all_fa", " auto", "all-SA\x00", 0.0, 1.0, -0.0, 0.5, 1, 0, 1024, -1024.0]),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=6,
 )
-xargs = st.dictionaries(st.sampled_from([OVERRIDE_KEY, SHARE_KEY, "elastic_forc", "x"]), json_values, max_size=3)
+KEYS = (OVERRIDE_KEY, SHARE_KEY, BIAS_KEY, TARGET_KEY, LOAD_BIAS_KEY)
+xargs = st.dictionaries(st.sampled_from([*KEYS, "elastic_forc", "x"]), json_values, max_size=4)
 
 
 @settings(max_examples=500, deadline=None)
@@ -45,7 +50,7 @@ def test_request_override_accepts_or_names_the_field(extra):
         validate_sampling_params(SimpleNamespace(extra_args=extra))
     except ValueError as e:
         msg = str(e)
-        assert msg.startswith((f"vllm_xargs.{OVERRIDE_KEY}: ", f"vllm_xargs.{SHARE_KEY}: ")), msg
+        assert msg.startswith(tuple(f"vllm_xargs.{k}: " for k in KEYS)), msg
         assert "\n" not in msg
         return
     force = request_override(extra)
@@ -55,6 +60,15 @@ def test_request_override_accepts_or_names_the_field(extra):
     if share is not None:
         assert isinstance(share, float) and 0.0 <= share <= 1.0 and not math.isnan(share)
         assert force == "auto"
+    knobs = request_knobs(extra)  # at most one, finite and in range, only with force auto and no share
+    assert knobs.bias is None or knobs.target is None
+    if knobs.bias is not None:
+        assert isinstance(knobs.bias, float) and math.isfinite(knobs.bias) and abs(knobs.bias) <= 1024
+    if knobs.target is not None:
+        assert isinstance(knobs.target, float) and 0.0 <= knobs.target <= 1.0
+    if knobs.key is not None:
+        assert force == "auto" and share is None
+    assert LOAD_BIAS_KEY not in (extra or {})
 
 
 @settings(max_examples=300, deadline=None)

@@ -31,6 +31,11 @@ def chat(messages, max_tokens=MAX_TOKENS, **kw) -> dict:
     return {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}
 
 
+def raw(body: dict) -> str:
+    """The body as JSON text with NaN / Infinity literals (Python's json writes them; httpx's json= refuses)."""
+    return json.dumps(body)
+
+
 def xargs(**values) -> dict:
     return {"vllm_xargs": values}
 
@@ -87,6 +92,24 @@ CASES = {
         "cannot be combined with elastic_force",
     ),
     "xargs_not_an_object": ("completions", completion("Hi", vllm_xargs="all-FA"), BAD, "vllm_xargs"),
+    # P15 elasticity knobs: each bad value a 400 naming the field (NaN / Infinity: as Python's json writes them,
+    # which FastAPI reads back; a null is refused by vLLM's own request model, naming the field too)
+    "bias_ok": ("completions", completion(SHORT, **xargs(elastic_bias=-2.5)), OK, 1),
+    "target_ok": ("chat", chat([{"role": "user", "content": "Hi"}], **xargs(elastic_target_omega=0.5)), OK, 1),
+    "bias_nan": ("completions", raw(completion("Hi", **xargs(elastic_bias=float("nan")))), BAD, "elastic_bias: must be a finite number"),
+    "bias_inf": ("completions", raw(completion("Hi", **xargs(elastic_bias=float("inf")))), BAD, "elastic_bias: must be a finite number"),
+    "bias_out_of_range": ("completions", completion("Hi", **xargs(elastic_bias=5000)), BAD, "elastic_bias: must be in [-1024, 1024]"),
+    "bias_string": ("completions", completion("Hi", **xargs(elastic_bias="2")), BAD, "elastic_bias: must be a number"),
+    "bias_list": ("chat", chat([{"role": "user", "content": "Hi"}], **xargs(elastic_bias=[1])), BAD, "elastic_bias: must be a number"),
+    "target_out_of_range": ("completions", completion("Hi", **xargs(elastic_target_omega=1.5)), BAD, "elastic_target_omega: must be in [0, 1]"),
+    "target_negative": ("completions", completion("Hi", **xargs(elastic_target_omega=-0.25)), BAD, "elastic_target_omega: must be in [0, 1]"),
+    "target_nan": ("completions", raw(completion("Hi", **xargs(elastic_target_omega=float("nan")))), BAD, "elastic_target_omega: must be a finite number"),
+    "target_null": ("completions", completion("Hi", **xargs(elastic_target_omega=None)), BAD, "vllm_xargs.elastic_target_omega"),
+    "bias_and_target": ("completions", completion("Hi", **xargs(elastic_bias=1, elastic_target_omega=0.5)), BAD, "elastic_bias: cannot be combined with elastic_target_omega"),
+    "bias_with_force": ("completions", completion("Hi", **xargs(elastic_bias=1, elastic_force="all-SA")), BAD, "elastic_bias: cannot be combined with elastic_force"),
+    "target_with_force": ("chat", chat([{"role": "user", "content": "Hi"}], **xargs(elastic_target_omega=0.5, elastic_force="all-FA")), BAD, "elastic_target_omega: cannot be combined with elastic_force"),
+    "target_stream_out_of_range": ("completions", completion("Hi", stream=True, **xargs(elastic_target_omega=2)), BAD, "elastic_target_omega: must be in [0, 1]"),
+    "load_bias_from_client": ("completions", completion("Hi", **xargs(elastic_load_bias=1.0)), BAD, "elastic_load_bias: set by the server's load policy"),
     "two_samples": ("completions", completion(SHORT, n=2, temperature=1.0, seed=3), OK, 2),
 }  # fmt: skip
 
@@ -107,7 +130,11 @@ def _live(server) -> float:
 def test_odd_request(server, client, case):
     endpoint, body, status, expect = CASES[case]
     m0 = server.metrics()
-    r = client.post("/v1/chat/completions" if endpoint == "chat" else "/v1/completions", json=body)
+    url = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    if isinstance(body, str):  # already JSON (NaN / Infinity, which httpx refuses to write)
+        r = client.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(url, json=body)
     assert r.status_code < 500, f"{case}: HTTP {r.status_code}: {r.text[:2000]}"
     assert r.status_code == status, f"{case}: HTTP {r.status_code}: {r.text[:2000]}"
     assert client.get("/health").status_code == 200, f"server unhealthy after {case}"
@@ -123,10 +150,17 @@ def test_odd_request(server, client, case):
             assert r.json()["usage"]["completion_tokens"] == body["max_tokens"] * body.get("n", 1)
         assert routed == expect, f"{case}: {routed} routings recorded, expected {expect}"
         assert delta(m0, m1, "elastic:request_omega_msr_count") == expect
-        force = body.get("vllm_xargs", {}).get("elastic_force", "auto")
-        assert delta(m0, m1, "elastic:requests_total", override=force) == expect
+        sent = body.get("vllm_xargs", {})
+        force = sent.get("elastic_force", "auto")
+        label = "bias" if "elastic_bias" in sent else "target-omega" if "elastic_target_omega" in sent else force
+        assert delta(m0, m1, "elastic:requests_total", override=label) == expect
         if force != "auto":  # forced routing is exact: all-FA 0, all-SA 1
             assert delta(m0, m1, "elastic:request_omega_msr_sum") == pytest.approx({"all-FA": 0, "all-SA": 1}[force])
+        if "elastic_target_omega" in sent:  # a budget is exact: round(0.5 x 30 layers x 3 KV heads) / 90
+            assert delta(m0, m1, "elastic:request_omega_msr_sum") == pytest.approx(45 / 90)
+            assert delta(m0, m1, "elastic:requested_target_omega_sum") == pytest.approx(sent["elastic_target_omega"])
+        if "elastic_bias" in sent:
+            assert delta(m0, m1, "elastic:requested_bias_sum") == pytest.approx(sent["elastic_bias"])
     else:
         err = r.json()["error"]
         assert expect in err["message"], f"{case}: {err}"

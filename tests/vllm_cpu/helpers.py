@@ -31,10 +31,13 @@ def compare_decisions(event: observe.RoutingEvent, ref_logits: torch.Tensor) -> 
     return int(sure.sum())
 
 
-def greedy(max_tokens: int = 12, logprobs: int | None = None, force: str | None = None, **kw):
+def greedy(
+    max_tokens: int = 12, logprobs: int | None = None, force: str | None = None, xargs: dict | None = None, **kw
+):
+    """Greedy sampling; ``force`` is ``elastic_force``, ``xargs`` more extra args (``elastic_bias``, ...)."""
     from vllm import SamplingParams
 
-    extra = {"elastic_force": force} if force else None
+    extra = {**({"elastic_force": force} if force else {}), **(xargs or {})} or None
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, extra_args=extra, **kw)
 
 

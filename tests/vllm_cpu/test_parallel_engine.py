@@ -186,6 +186,33 @@ def test_pipeline_parallel_equals_one_process(tiny4, single, monkeypatch, tp):
     assert [_total(m2[r], "elastic:live_requests") for r in ranks if last[r]] == [0.0] * tp
 
 
+def test_tensor_parallel_budgets_are_exact(tiny4, monkeypatch):
+    """elastic_target_omega at TP=2 (one KV head per rank): every rank applies the cumulative budget to its own
+    head, with no message; the request's SA count, each layer's, and the recorded Omega_MSR equal TP=1's."""
+    from elastic_vllm.router.model import budget_sa_counts
+    from elastic_vllm.vllm_plugin.observe import rpc_events
+
+    model, cfg = tiny4
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    llm = make_llm(model, attention_backend="elastic", additional_config=cfg, tensor_parallel_size=2, **ENGINE)
+    targets = [0.5, 0.25, 0.9]
+    try:
+        params = [greedy(2, xargs={"elastic_target_omega": t}) for t in targets]
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        per_rank = llm.collective_rpc(rpc_events)
+    finally:
+        close_llm(llm)
+    heads = LAYERS * HKV
+    for t, o in zip(targets, outs):
+        ev = [next(e for e in events if _matches(e["req_id"], o.request_id)) for events in per_rank]
+        assert [e["kv_heads"] for e in ev] == [[0], [1]]
+        decisions = torch.cat([torch.tensor(e["decisions"]) for e in ev], dim=1)  # [L, HKV], rank 0's head first
+        want = math.floor(t * heads + 0.5)
+        assert int((~decisions).sum()) == want, t
+        assert (~decisions).sum(1).tolist() == budget_sa_counts(t, LAYERS, 0, 1, HKV)  # each layer as at TP=1
+        assert ev[0]["omega_msr_all"] == want / heads
+
+
 # --- data parallel: a real `vllm serve --data-parallel-size 2`, /metrics over HTTP ----------------------------
 STARTUP_S = 900
 
