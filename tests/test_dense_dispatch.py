@@ -163,3 +163,16 @@ def test_warm_up_runs_every_kernel_call(monkeypatch):
     rep = warmup.warm_up(st, torch.float32, 4, 16)
     assert rep["dense"] == "test kernel" and st.dense_attention is _paged_fa
     assert rep["dense_rel_err"] < 1e-5  # fp32 both ways
+
+
+def test_warmup_routes_both_router_variants():
+    """The fused router compiles one variant for a step whose rows share one bias and one (ROW_MARGIN) for rows
+    of different biases; the warm-up routes a batch of each, built as the engine builds them, so a client's
+    elastic_bias or a load-policy level compiles nothing while serving (GPU: vLLM's JIT monitor)."""
+    from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch
+
+    table = torch.arange(1, 1 + 3 * 32, dtype=torch.int32).view(3, 32)  # a decode row, then the two prompts
+    batches = [build_route_batch(rows, table, 16, "mean", 100) for rows in warmup.router_warmup_rows(RouteRow)]
+    per_row = [rb.biases is not None for rb in batches]
+    assert sorted(per_row) == [False, True], per_row
+    assert not any(rb.needs_glue for rb in batches)  # both through the fused kernel, not the torch glue

@@ -63,6 +63,17 @@ def _batch(seq_lens: list[int], q_lens: list[int], block_size: int, num_blocks: 
     return qsl.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device)
 
 
+def router_warmup_rows(route_row) -> list[list]:
+    """The routing rows the warm-up routes, one list per compiled variant of the fused router: rows sharing one
+    bias (the kernel takes the step's threshold) and rows of different biases (a threshold per row: clients'
+    own ``elastic_bias`` or the load policy's levels), so neither compiles while serving."""
+    a, b = PROMPT_LENS
+    return [
+        [route_row(1, a, "auto", False, None), route_row(2, b, "auto", False, None)],
+        [route_row(1, a, "auto", False, None, bias=0.0), route_row(2, b, "auto", False, None, bias=1.0)],
+    ]
+
+
 def maybe_warm_up(st, kv_cache_spec, vllm_config) -> dict | None:
     """Once per engine, on the Triton path on a GPU (the interpreter compiles nothing)."""
     from elastic_vllm.csrc._common import interpret
@@ -118,10 +129,11 @@ def warm_up(st, dtype: torch.dtype, num_q_heads: int, head_size: int) -> dict:
         triton_attention(q, key_cache, value_cache, bt, qsl, sl, mixed, wp, out, 1, 1, max(q_lens), max(seq),
                          cfg.uses_xattn, pq)  # fmt: skip
         if st.router is not None and st.kernel_router is not None:
-            # the fused router (its epilogue writes row_modes of this layer: rewritten by every step's plan)
-            rows = [RouteRow(1, PROMPT_LENS[0], "auto", False, None), RouteRow(2, PROMPT_LENS[1], "auto", False, None)]
-            rb = build_route_batch(rows, bt, bs, cfg.pooling, cfg.pool_tokens, share_fa=st.share_table)
-            st.route(0, key_cache, rb)
+            # the fused router (its epilogue writes row_modes of this layer: rewritten by every step's plan), once
+            # per variant: one threshold for the step, and a threshold per row (rows of different biases)
+            for rows in router_warmup_rows(RouteRow):
+                rb = build_route_batch(rows, bt, bs, cfg.pooling, cfg.pool_tokens, share_fa=st.share_table)
+                st.route(0, key_cache, rb)
         report = {"compile_s": 0.0, "dense": None, "dense_reason": ""}
         if dense_requested():
             report.update(_admit_dense(st, dtype, d, q, key_cache, value_cache, bt, qsl, sl, q_lens, seq, wp))
