@@ -14,9 +14,10 @@ case "${1:?prep or run}" in
     for ref in "$@"; do
       sha=$(git rev-parse --short --verify "$ref^{commit}")
       mkdir -p ".abtest/trees/$sha"
-      # router_weights/ stays behind (7.8 MB): the llama server's router is made by serve_bench itself
-      git archive "$sha" elastic_vllm csrc benchmarks setup.py pyproject.toml README.md \
-        | tar -x -C ".abtest/trees/$sha" --exclude 'benchmarks/results' --exclude 'benchmarks/data'
+      # the whole tree (an older serve_bench imports tests/gpu/_gpu_common.py; setup.py reads README.md) but the
+      # results, data and router weights (~12 MB): the llama server's router is made by serve_bench itself
+      git archive "$sha" | tar -x -C ".abtest/trees/$sha" --exclude 'benchmarks/results' --exclude 'benchmarks/data' \
+        --exclude 'router_weights' --exclude 'docs'
       echo ".abtest/trees/$sha"
     done
     du -sh .abtest ;;
