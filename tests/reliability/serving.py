@@ -72,6 +72,22 @@ def prompt_ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 49_000) for _ in range(n)]
 
 
+def own_server(tmp_path_factory, name: str, elastic: dict, args: list[str]):
+    """A module's own `elastic-vllm serve` of the demo model (a configuration the shared server cannot have):
+    yields the ready ServeProcess, stops it afterwards. Use from a module-scoped fixture (``yield from``)."""
+    from elastic_vllm.models import fetch_demo_model
+
+    s = ServeProcess(
+        fetch_demo_model(quiet=True), elastic=elastic, args=args, served_name=MODEL_NAME, env=subprocess_env(),
+        log_path=tmp_path_factory.mktemp(name) / "serve.log",
+    )  # fmt: skip
+    try:
+        s.wait_ready(STARTUP_S)
+        yield s
+    finally:
+        s.stop()
+
+
 class SharedServer:
     """`elastic-vllm serve` of the demo model with a random router (routing runs and is recorded; its
     decisions do not matter here), started in the background right after collection."""

@@ -14,9 +14,9 @@ import threading
 import httpx
 import pytest
 
-from elastic_vllm.server import ServeProcess, metric_value
+from elastic_vllm.server import metric_value
 
-from .serving import MODEL_NAME, STARTUP_S, prompt_ids, subprocess_env, wait_until
+from .serving import MODEL_NAME, own_server, prompt_ids, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +33,7 @@ ARGS = [
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from elastic_vllm.models import fetch_demo_model
-
-    log = tmp_path_factory.mktemp("load-policy") / "serve.log"
-    s = ServeProcess(
-        fetch_demo_model(quiet=True), elastic=ELASTIC, args=ARGS, served_name=MODEL_NAME, env=subprocess_env(),
-        log_path=log,
-    )  # fmt: skip
-    try:
-        s.wait_ready(STARTUP_S)
-        yield s
-    finally:
-        s.stop()
+    yield from own_server(tmp_path_factory, "load-policy", ELASTIC, ARGS)
 
 
 def test_load_bias_follows_the_backlog_over_http(srv):

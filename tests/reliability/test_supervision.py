@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from elastic_vllm.server import ServeProcess, metric_value
+from elastic_vllm.server import metric_value
 
-from .serving import MODEL_NAME, SERVE_ARGS, STARTUP_S, subprocess_env, tree_pids
+from .serving import MODEL_NAME, SERVE_ARGS, own_server, tree_pids
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +33,7 @@ ELASTIC = {"force": "all-SA", "client_overrides": [], "sink": 16, "window": 64}
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from elastic_vllm.models import fetch_demo_model
-
-    log = tmp_path_factory.mktemp("supervision") / "serve.log"
-    s = ServeProcess(
-        fetch_demo_model(quiet=True), elastic=ELASTIC, args=SERVE_ARGS, served_name=MODEL_NAME,
-        env=subprocess_env(), log_path=log,
-    )  # fmt: skip
-    try:
-        s.wait_ready(STARTUP_S)
-        yield s
-    finally:
-        s.stop()
+    yield from own_server(tmp_path_factory, "supervision", ELASTIC, SERVE_ARGS)
 
 
 def _env_of(pid: int) -> dict[str, str]:
