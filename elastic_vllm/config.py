@@ -65,10 +65,10 @@ class LoadPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(False, strict=True)
-    # Default 32, measured on the shipped SmolLM2 router (transformers, float32; 3 needle prompts of 1.5K tokens and
-    # 3 robust chats): its margins |z_FA - z_SA| have a median of ~57 logits, so a bias of 8 moves the needle prompts'
-    # Omega_MSR only 0.18 -> 0.20, 32 to 0.37-0.39 (a summary 0.68 -> 0.83), 64 already to 0.67-0.71 (retrieval
-    # heads go SA). Routers' logit scales differ: set it per router.
+    # Default 32: the bias is in the router's own logits, and the shipped SmolLM2 router's margins |z_FA - z_SA|
+    # reach hundreds of logits (737 on the held-out families, see sa_margin), so a ceiling far below that scale moves
+    # only the heads the router is unsure about. Not yet calibrated by a committed run (eval --suite budgets and a
+    # load ramp on the GPU); routers' logit scales differ: set it per router.
     max_bias: float = Field(
         32.0, gt=0.0, le=BIAS_MAX, allow_inf_nan=False, description="ceiling of the load bias, in router logits"
     )
