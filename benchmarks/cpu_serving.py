@@ -16,8 +16,9 @@ API with streaming:
   token throughput, TTFT and time per output token under load.
 
 Elastic serves FA-SSA (sink 128, window 2048) with a router (``--router``, else an untrained random one)
-and every request asks for a fixed Omega_MSR 0.75 (``vllm_xargs.elastic_sa_share``; the router still runs),
-so the prefill work matches the GPU benchmark's 0.75 rows; ``--share auto`` uses the router's decisions.
+and every request asks for a fixed Omega_MSR 0.75 (``vllm_xargs.elastic_target_omega``: that share of SA heads in
+every layer, ranked by the router), so the prefill work matches the GPU benchmark's 0.75 rows; ``--share auto`` uses
+the router's own decisions.
 Both servers: float32 (bf16 matmuls are ~4x slower on this CPU), eager, max_model_len 8192, vLLM's serve
 defaults otherwise (chunked prefill with a 2048-token budget on CPU, so an 8K prompt arrives in 4 chunks),
 prefix caching off. The elastic backend runs its PyTorch path on CPU (the Triton kernels are GPU-only).
@@ -147,7 +148,7 @@ def run(args) -> dict:
         "model": str(model),
         "elastic": {
             "router": str(router) if args.router else "random untrained",
-            "sa_share": share or "auto (router)",
+            "target_omega": share if share is not None else "auto (router)",
             "mode": "FA-SSA",
             "sink": 128,
             "window": 2048,
@@ -163,7 +164,7 @@ def run(args) -> dict:
         srv = start_server(backend, model, router if backend == "elastic" else None, logs / f"{backend}.log")
         entry.update(startup_s=round(srv.startup_s, 1), server_argv=srv.command)
         log(f"   ready in {srv.startup_s:.0f}s")
-        extra = {"vllm_xargs": {"elastic_sa_share": share}} if backend == "elastic" and share is not None else None
+        extra = {"vllm_xargs": {"elastic_target_omega": share}} if backend == "elastic" and share is not None else None
         try:
             entry["ttft"] = {"max_concurrency": 1, "by_length": []}
             for i, n in enumerate(lengths):
@@ -254,7 +255,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="demo model folder (default: fetched/cached by elastic-vllm fetch-model)")
     p.add_argument("--router", help="router folder for the elastic server (default: a random untrained router)")
-    p.add_argument("--share", default="0.75", help="fixed Omega_MSR per request (elastic_sa_share), or 'auto'")
+    p.add_argument("--share", default="0.75", help="fixed Omega_MSR per request (elastic_target_omega), or 'auto'")
     p.add_argument("--lengths", default="2048,4096,7936", help="prompt lengths of the TTFT run (tokens)")
     p.add_argument("--reps", type=int, default=1, help="prompts per length in the TTFT run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu-serving.json"))

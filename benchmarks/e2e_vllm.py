@@ -8,9 +8,10 @@
 
 Models: Llama-3.1-8B and Qwen3-8B shapes with dummy weights (``load_format="dummy"``, config.json
 written to a temp folder, prompt token ids, no tokenizer), bf16; and the real demo model
-(SmolLM2-135M-Instruct) for the router's own decisions. Elastic runs force a fixed share of SA heads
-per request (``vllm_xargs.elastic_sa_share``, a deterministic head assignment): the router still runs
-(an untrained random router is loaded for the 8B shapes), so its cost is in every number.
+(SmolLM2-135M-Instruct) for the router's own decisions. Elastic runs fix the share of SA heads per request
+(``vllm_xargs.elastic_target_omega``: the same number of SA heads in every layer, ranked by the router): the router
+runs (an untrained random router is loaded for the 8B shapes), so its cost is in every number. Results before this
+used ``elastic_sa_share`` (the same per-layer counts, fixed heads), which the plugin no longer accepts.
 
 Engine (same for every backend): prefix caching off, chunked prefill with a 16384-token budget (vLLM's
 offline default on H200; the ``vllm serve`` default 8192 is measured by lowering the scheduler's budget
@@ -373,8 +374,8 @@ def write_model_dir(spec: dict, work: Path) -> Path:
 
 
 def make_router(spec: dict, shape, work: Path, backbone_id: str) -> Path:
-    """An untrained router (seeded) for a shape without a trained one: its decisions are replaced by the
-    fixed share, it is there so that the router's cost is paid as in serving."""
+    """An untrained router (seeded) for a shape without a trained one: it ranks the heads of the fixed share
+    (``elastic_target_omega``) and is there so that the router's cost is paid as in serving."""
     import torch
 
     from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
@@ -489,7 +490,7 @@ class Engine:
 
         extra = {}
         if share is not None:
-            extra["elastic_sa_share"] = share
+            extra["elastic_target_omega"] = share
         if force is not None:
             extra["elastic_force"] = force
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
