@@ -584,9 +584,9 @@ MEANINGS = {
     "force": "server-wide routing: `auto` (the router decides per request), `all-FA` (dense; needs no router), "
     "`all-SA`; a request can override it (see serving.md, Per-request override)",
     "client_overrides": "per-request overrides clients may send in `vllm_xargs` (see docs/serving.md): any of "
-    "`all-FA`, `all-SA` (as `elastic_force`), `elastic_sa_share`, `elastic_bias`, `elastic_target_omega`; others "
+    "`all-FA`, `all-SA` (as `elastic_force`), `elastic_bias`, `elastic_target_omega`; others "
     "are refused with HTTP 400 naming this field (`elastic_force: auto`, the server's own routing, always passes); "
-    "`[]`: none",
+    "`[]`: none; the retired `elastic_sa_share` is refused at startup, naming `elastic_target_omega`",
     "load_policy": "load-adaptive bias (opt-in, vLLM only): the engine raises the routing bias of requests that "
     "set no knob of their own as its prefill backlog grows (see docs/serving.md, Elasticity control); the live "
     "bias is the `elastic:load_bias` gauge",

@@ -22,8 +22,14 @@ ChunkRouting = Literal["prefix", "dense"]
 MODES: tuple[str, ...] = ("FA-SSA", "FA-XA", "XA-SSA")
 FORCES: tuple[str, ...] = ("auto", "all-FA", "all-SA")
 CHUNK_ROUTINGS: tuple[str, ...] = ("prefix", "dense")
-ClientOverride = Literal["all-FA", "all-SA", "elastic_sa_share", "elastic_bias", "elastic_target_omega"]
-CLIENT_OVERRIDES: tuple[str, ...] = ("all-FA", "all-SA", "elastic_sa_share", "elastic_bias", "elastic_target_omega")
+ClientOverride = Literal["all-FA", "all-SA", "elastic_bias", "elastic_target_omega"]
+CLIENT_OVERRIDES: tuple[str, ...] = ("all-FA", "all-SA", "elastic_bias", "elastic_target_omega")
+# Per-request keys that no longer exist -> what to use instead. A deployment listing one in client_overrides and
+# a request sending one are refused with this hint: silently ignoring it would run another routing than asked for.
+RETIRED_CLIENT_OVERRIDES: dict[str, str] = {
+    "elastic_sa_share": "use elastic_target_omega (a number in [0, 1]: the same number of SA heads per layer, "
+    "the heads chosen by the router)",
+}
 
 # Upper bound of the token counts (sink, window, pool_tokens): the Triton kernels take them as int32
 # and add two of them (e.g. a query position and a window), so 2**30 keeps every sum below 2**31; a
@@ -146,9 +152,18 @@ class ElasticConfig(BaseModel):
     # both are exactly the paper's once-per-request routing.
     chunk_routing: ChunkRouting = "prefix"
     # Which per-request overrides clients may send (vllm_xargs): "all-FA" / "all-SA" as elastic_force,
-    # "elastic_sa_share" (benchmarks). Anything else is refused with HTTP 400; elastic_force "auto"
+    # "elastic_bias", "elastic_target_omega". Anything else is refused with HTTP 400; elastic_force "auto"
     # (the server's own routing) is always allowed. [] turns client overrides off.
     client_overrides: tuple[ClientOverride, ...] = CLIENT_OVERRIDES
+
+    @field_validator("client_overrides", mode="before")
+    @classmethod
+    def _no_retired_override(cls, v: Any) -> Any:
+        # a retired key names its replacement (the Literal's own error would only list the valid values)
+        for item in v if isinstance(v, (list, tuple)) else ():
+            if isinstance(item, str) and item in RETIRED_CLIENT_OVERRIDES:
+                raise ValueError(f"{item!r} is no longer supported: {RETIRED_CLIENT_OVERRIDES[item]}")
+        return v
 
     @field_validator("router_path")
     @classmethod

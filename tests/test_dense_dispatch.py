@@ -26,26 +26,24 @@ FA, SSA, XA = int(HeadMode.FA), int(HeadMode.SSA), int(HeadMode.XA)
 CFG = ElasticConfig(sink=4, window=32)
 
 
-# (name, config, seq_len, force, sa_share, decode_phase, dense)
+# (name, config, seq_len, force, decode_phase, dense)
 ROWS = [
-    ("prompt_within_sink_window_auto", CFG, 36, "auto", None, False, True),
-    ("prompt_one_past_sink_window_auto", CFG, 37, "auto", None, False, False),
-    ("prompt_past_window_all_fa", CFG, 500, "all-FA", None, False, True),
-    ("prompt_past_window_all_sa", CFG, 500, "all-SA", None, False, False),
-    ("prompt_within_window_all_sa", CFG, 20, "all-SA", None, False, True),
-    ("prompt_fixed_share_past_window", CFG, 500, "auto", 0.5, False, False),
-    ("prompt_fixed_share_within_window", CFG, 30, "auto", 0.5, False, True),
-    ("decode_dense_past_window", CFG, 500, "auto", None, True, True),
-    ("decode_sparse_past_window", CFG.model_copy(update={"decode_mode": "sparse"}), 500, "auto", None, True, False),
-    ("decode_sparse_all_fa", CFG.model_copy(update={"decode_mode": "sparse"}), 500, "all-FA", None, True, True),
-    ("fa_xa_within_window", CFG.model_copy(update={"mode": "FA-XA"}), 10, "auto", None, False, False),
-    ("xa_ssa_all_fa", CFG.model_copy(update={"mode": "XA-SSA"}), 10, "all-FA", None, False, False),
+    ("prompt_within_sink_window_auto", CFG, 36, "auto", False, True),
+    ("prompt_one_past_sink_window_auto", CFG, 37, "auto", False, False),
+    ("prompt_past_window_all_fa", CFG, 500, "all-FA", False, True),
+    ("prompt_past_window_all_sa", CFG, 500, "all-SA", False, False),
+    ("prompt_within_window_all_sa", CFG, 20, "all-SA", False, True),
+    ("decode_dense_past_window", CFG, 500, "auto", True, True),
+    ("decode_sparse_past_window", CFG.model_copy(update={"decode_mode": "sparse"}), 500, "auto", True, False),
+    ("decode_sparse_all_fa", CFG.model_copy(update={"decode_mode": "sparse"}), 500, "all-FA", True, True),
+    ("fa_xa_within_window", CFG.model_copy(update={"mode": "FA-XA"}), 10, "auto", False, False),
+    ("xa_ssa_all_fa", CFG.model_copy(update={"mode": "XA-SSA"}), 10, "all-FA", False, False),
 ]
 
 
-@pytest.mark.parametrize("name,cfg,seq_len,force,share,decode_phase,dense", ROWS, ids=[r[0] for r in ROWS])
-def test_row_is_dense(name, cfg, seq_len, force, share, decode_phase, dense):
-    assert row_is_dense(cfg, seq_len, force, share, decode_phase) is dense
+@pytest.mark.parametrize("name,cfg,seq_len,force,decode_phase,dense", ROWS, ids=[r[0] for r in ROWS])
+def test_row_is_dense(name, cfg, seq_len, force, decode_phase, dense):
+    assert row_is_dense(cfg, seq_len, force, decode_phase) is dense
 
 
 def _ref(batch, modes, cfg):

@@ -369,13 +369,13 @@ def _plan_command(argv: list[str], where: str, plan: Plan) -> None:
                 model = rest[0] if rest and not rest[0].startswith("-") else "DEMO"
                 plan.serve_args.append(["--model", model, *(rest[1:] if rest[:1] == [model] else rest)])
     elif prog == "curl":
-        from elastic_vllm.vllm_plugin.overrides import request_override, request_sa_share
+        from elastic_vllm.vllm_plugin.overrides import request_knobs, request_override
 
         if "-d" in argv:
             xargs = json.loads(argv[argv.index("-d") + 1]).get("vllm_xargs")
             try:
                 request_override(xargs)
-                request_sa_share(xargs)
+                request_knobs(xargs)
             except ValueError as e:
                 plan.problems.append(f"{where}: {e}")
     elif prog == "prometheus":

@@ -25,8 +25,8 @@
   ``sum(rate(..{decision="SA"}[5m])) / sum(rate(..[5m]))`` is the fleet-wide sparsity and
   ``sum by (layer)`` the per-layer SA share.
 - ``override`` is the mode the request ran with: auto, all-FA, all-SA (its own elastic_force, else the
-  server's force), sa-share (a fixed SA share, elastic_sa_share), bias / target-omega (its own elastic_bias /
-  elastic_target_omega) or load-bias (the load policy raised its bias).
+  server's force), bias / target-omega (its own elastic_bias / elastic_target_omega) or load-bias (the load
+  policy raised its bias).
 - ``requested_bias`` / ``requested_target_omega``: the values requests sent (those that sent one), recorded with
   ``requests_total``; ``load_bias``: the load policy's bias level now (engine core; 0 when idle or off).
 - ``live_requests``: requests holding per-request routing state in the engine (``state.py``); 0 when idle.

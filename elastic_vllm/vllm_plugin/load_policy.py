@@ -13,7 +13,7 @@ because no step runs while idle to bring it down.
 
 A new request gets the bias of the moment it reaches the engine core (``EngineCore.preprocess_add_request``,
 before its prefix-cache block hashes exist): when it has no elastic knob of its own (``elastic_force``,
-``elastic_sa_share``, ``elastic_bias``, ``elastic_target_omega``: requests that chose keep their choice) and the
+``elastic_bias``, ``elastic_target_omega``: requests that chose keep their choice) and the
 bias is above 0, the bias goes into its ``extra_args`` (``elastic_load_bias``, which the worker adds to the
 server's ``bias``) and its ``cache_salt`` (each level hashes its blocks apart, as every routing mode does; a few
 levels keep prefix sharing). Its routing then applies that bias for good (routing runs once per request). The

@@ -46,7 +46,7 @@ class RoutingEvent:
     omega_esr_all: float
     router_latency_s: float  # on the last pipeline stage: summed over the stages
     override: str  # the request's own elastic_force ("auto" when absent)
-    force: str  # what it ran with: its override, the server's force, "sa-share", "bias", "target-omega", "load-bias"
+    force: str  # what it ran with: its override, the server's force, "bias", "target-omega", "load-bias"
     pooled: torch.Tensor | None = None  # float32 [L, Hkv_local, D] when ELASTIC_VLLM_RECORD_POOLED=1
     counts_heads: bool = True  # False on a rank replicating KV heads another rank counts in the metrics
     first_layer: int = 0  # pipeline parallelism: global index of the stage's first layer

@@ -5,29 +5,24 @@ OpenAI API: ``{"vllm_xargs": {"elastic_force": "all-SA"}}`` in the request body;
 i.e. its ``force`` setting), ``all-FA``, ``all-SA``. Anything else is rejected at admission
 (HTTP 400) with a message naming the field.
 
-Benchmarks only: ``elastic_sa_share`` (a number in [0, 1]) replaces the router's decisions of the request
-by a fixed head assignment with that share of SA heads (:func:`routing.fixed_share_fa`). The router
-still runs when the request would run it (server ``force`` auto), so its cost stays in the timing.
-It cannot be combined with an ``elastic_force`` other than auto.
-
 Test-time elasticity: ``elastic_bias`` (a finite number in [-1024, 1024], router logits, added to the SA side of
 every head's margin: FA iff ``z_FA - z_SA > bias - sa_margin``, so > 0 is sparser) and ``elastic_target_omega``
 (a number in [0, 1]: exactly round-half-up(target x layers x KV heads) of the request's heads run SA, the ones the
 router prefers SA most in each layer, :func:`router.model.budget_sa_counts`). One of the two per request, not with
-``elastic_force`` other than auto nor with ``elastic_sa_share``; they replace the server's ``bias`` /
-``target_omega`` for that request. ``elastic_sa_share`` stays: it is the same per-layer count with fixed,
-router-independent heads (benchmark timing, and the static-ranking baseline), not a special case of the target.
+``elastic_force`` other than auto; they replace the server's ``bias`` / ``target_omega`` for that request.
 ``elastic_load_bias`` is written by the engine's load policy (``load_policy.py``) and refused from clients.
+Retired keys (``config.RETIRED_CLIENT_OVERRIDES``, e.g. ``elastic_sa_share``) are refused naming their replacement:
+a client that still sends one would otherwise run the server's default routing without noticing.
 
 The server's ``client_overrides`` (``ElasticConfig``) says which of ``all-FA``, ``all-SA``,
-``elastic_sa_share``, ``elastic_bias`` and ``elastic_target_omega`` clients may send; a request using another
+``elastic_bias`` and ``elastic_target_omega`` clients may send; a request using another
 one is refused at admission (HTTP 400).
 
 Prefix-cache isolation: the K/V of a prompt depend on how every earlier layer attended, i.e. on the
 routing mode the request ran with. :func:`routing_cache_salt` is added to every request's
 ``cache_salt`` at admission (``compat.install_request_validator``), so vLLM hashes the blocks of
 requests of different modes apart: a request reuses only blocks computed under its own mode
-(auto, all-FA, all-SA, one fixed SA share, one bias or one target; the load policy adds its bias level in the
+(auto, all-FA, all-SA, one bias or one target; the load policy adds its bias level in the
 engine core) and the same server configuration.
 """
 
@@ -39,10 +34,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_vllm.config import BIAS_MAX, FORCES, ConfigError, ElasticConfig, short_repr
+from elastic_vllm.config import BIAS_MAX, FORCES, RETIRED_CLIENT_OVERRIDES, ConfigError, ElasticConfig, short_repr
 
 OVERRIDE_KEY = "elastic_force"
-SHARE_KEY = "elastic_sa_share"
 BIAS_KEY = "elastic_bias"
 TARGET_KEY = "elastic_target_omega"
 LOAD_BIAS_KEY = "elastic_load_bias"  # written by the engine core's load policy, never by a client
@@ -58,20 +52,6 @@ def request_override(extra_args: dict[str, Any] | None) -> str:
             f"vllm_xargs.{OVERRIDE_KEY}: must be one of {', '.join(repr(f) for f in FORCES)} (got {short_repr(value)})"
         )
     return value
-
-
-def request_sa_share(extra_args: dict[str, Any] | None) -> float | None:
-    """The fixed SA share of one request (benchmarks), None when absent. Raises ValueError when it is
-    not a number in [0, 1] or comes with an ``elastic_force`` other than auto."""
-    if not extra_args or SHARE_KEY not in extra_args:
-        return None
-    value = extra_args[SHARE_KEY]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"vllm_xargs.{SHARE_KEY}: must be a number in [0, 1] (got {short_repr(value)})")
-    force = request_override(extra_args)
-    if force != "auto":
-        raise ValueError(f"vllm_xargs.{SHARE_KEY}: cannot be combined with {OVERRIDE_KEY}={force!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -100,12 +80,15 @@ def _number(extra: dict[str, Any], key: str, lo: float, hi: float) -> float:
 
 def request_knobs(extra_args: dict[str, Any] | None) -> Knobs:
     """The request's ``elastic_bias`` / ``elastic_target_omega`` (see the module docstring). Raises ValueError
-    naming the field for a bad value, both together, either with ``elastic_force`` other than auto or with
-    ``elastic_sa_share``, and for ``elastic_load_bias`` (the engine's own key)."""
+    naming the field for a bad value, both together, either with ``elastic_force`` other than auto, for
+    ``elastic_load_bias`` (the engine's own key) and for a retired key (naming its replacement)."""
     if not extra_args:
         return Knobs()
     if LOAD_BIAS_KEY in extra_args:
         raise ValueError(f"vllm_xargs.{LOAD_BIAS_KEY}: set by the server's load policy, not by clients")
+    for key, use in RETIRED_CLIENT_OVERRIDES.items():
+        if key in extra_args:
+            raise ValueError(f"vllm_xargs.{key}: no longer supported; {use}")
     bias = _number(extra_args, BIAS_KEY, -BIAS_MAX, BIAS_MAX) if BIAS_KEY in extra_args else None
     target = _number(extra_args, TARGET_KEY, 0.0, 1.0) if TARGET_KEY in extra_args else None
     knobs = Knobs(bias, target)
@@ -116,12 +99,10 @@ def request_knobs(extra_args: dict[str, Any] | None) -> Knobs:
     force = request_override(extra_args)
     if force != "auto":
         raise ValueError(f"vllm_xargs.{knobs.key}: cannot be combined with {OVERRIDE_KEY}={force!r}")
-    if SHARE_KEY in extra_args:
-        raise ValueError(f"vllm_xargs.{knobs.key}: cannot be combined with {SHARE_KEY}")
     return knobs
 
 
-def check_allowed(override: str, sa_share: float | None, cfg: ElasticConfig, knobs: Knobs = Knobs()) -> None:
+def check_allowed(override: str, cfg: ElasticConfig, knobs: Knobs = Knobs()) -> None:
     """Raises ValueError naming the field when the server's ``client_overrides`` does not allow it, or when a knob
     needs the router on a server whose ``force`` is not auto."""
     allowed = cfg.client_overrides
@@ -129,10 +110,6 @@ def check_allowed(override: str, sa_share: float | None, cfg: ElasticConfig, kno
         raise ValueError(
             f"vllm_xargs.{OVERRIDE_KEY}: {override!r} is not allowed by this server "
             f"(elastic.client_overrides = {list(allowed)})"
-        )
-    if sa_share is not None and SHARE_KEY not in allowed:
-        raise ValueError(
-            f"vllm_xargs.{SHARE_KEY}: not allowed by this server (elastic.client_overrides = {list(allowed)})"
         )
     key = knobs.key
     if key is not None and key not in allowed:
@@ -146,10 +123,9 @@ def validate_sampling_params(params: Any, cfg: ElasticConfig | None = None) -> N
     (the server's configuration) the request must also use only the overrides it allows."""
     extra = getattr(params, "extra_args", None)
     override = request_override(extra)
-    share = request_sa_share(extra)
     knobs = request_knobs(extra)
     if cfg is not None:
-        check_allowed(override, share, cfg, knobs)
+        check_allowed(override, cfg, knobs)
 
 
 _SERVER_CONFIGS: dict[str, tuple[ElasticConfig, str]] = {}
@@ -178,14 +154,10 @@ def server_config(vllm_config: Any) -> tuple[ElasticConfig, str] | None:
     return hit
 
 
-def routing_mode(
-    override: str, sa_share: float | None, server_force: str, knobs: Knobs = Knobs(), load_bias: float = 0.0
-) -> str:
+def routing_mode(override: str, server_force: str, knobs: Knobs = Knobs(), load_bias: float = 0.0) -> str:
     """The mode a request runs with, as recorded in ``elastic:requests_total{override}`` and mixed into
-    its cache salt: auto, all-FA, all-SA (its own override or the server's force), sa-share, bias,
-    target-omega (its own knob), or load-bias (the load policy raised its bias)."""
-    if sa_share is not None:
-        return "sa-share"
+    its cache salt: auto, all-FA, all-SA (its own override or the server's force), bias, target-omega (its
+    own knob), or load-bias (the load policy raised its bias)."""
     if knobs.bias is not None:
         return "bias"
     if knobs.target is not None:
@@ -199,12 +171,12 @@ def routing_cache_salt(extra_args: dict[str, Any] | None, cfg: ElasticConfig, cf
     invalid or disallowed override was refused before this runs; here it counts as the server's default,
     as in the engine."""
     try:
-        override, share, knobs = request_override(extra_args), request_sa_share(extra_args), request_knobs(extra_args)
-        check_allowed(override, share, cfg, knobs)
+        override, knobs = request_override(extra_args), request_knobs(extra_args)
+        check_allowed(override, cfg, knobs)
     except ValueError:
-        override, share, knobs = "auto", None, Knobs()
-    mode = routing_mode(override, share, cfg.force, knobs)
-    value = share if share is not None else knobs.bias if knobs.bias is not None else knobs.target
+        override, knobs = "auto", Knobs()
+    mode = routing_mode(override, cfg.force, knobs)
+    value = knobs.bias if knobs.bias is not None else knobs.target
     if value is not None:
         mode = f"{mode}={value!r}"
     return f"elastic:{mode}:{cfg_digest}"
@@ -216,15 +188,15 @@ def load_bias_salt(load_bias: float) -> str:
 
 
 def is_load_policy_eligible(extra_args: dict[str, Any] | None, cfg: ElasticConfig) -> bool:
-    """A request the load policy may bias: valid, with no elastic knob of its own (bias, target, share, force)
+    """A request the load policy may bias: valid, with no elastic knob of its own (bias, target, force)
     on a server routing with its router (force auto). Requests that chose keep their choice."""
     if cfg.force != "auto":
         return False
     try:
-        override, share, knobs = request_override(extra_args), request_sa_share(extra_args), request_knobs(extra_args)
+        override, knobs = request_override(extra_args), request_knobs(extra_args)
     except ValueError:
         return False
-    return override == "auto" and share is None and knobs.key is None
+    return override == "auto" and knobs.key is None
 
 
 def engine_load_bias(extra_args: dict[str, Any] | None, max_bias: float) -> float:

@@ -210,7 +210,7 @@ class Recorder:
                     omega_esr_all=all_esr,
                     router_latency_s=latency,
                     override=st.override,
-                    force=routing_mode(st.override, st.sa_share, self.cfg.force, st.knobs, st.load_bias),
+                    force=routing_mode(st.override, self.cfg.force, st.knobs, st.load_bias),
                     requested_bias=st.knobs.bias,
                     requested_target_omega=st.knobs.target,
                     bias=st.bias,

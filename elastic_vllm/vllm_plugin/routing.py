@@ -14,7 +14,7 @@ and reused by every layer (:func:`route_layer`): a few small kernels per layer, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +35,6 @@ class RouteRow:
     force: str  # "auto" | "all-FA" | "all-SA"
     decode_phase: bool  # the row's queries lie past the prompt: decode_mode applies to its attention
     final_slot: int | None  # routing-table slot when this routing is the request's final one
-    sa_share: float | None = None  # benchmarks: fixed assignment with this SA share (fixed_share_fa)
     bias: float = 0.0  # routing bias (its own, the server's + the load policy's): FA iff z_FA - z_SA > bias - sa_margin
     target: float | None = None  # fixed SA budget (elastic_target_omega / target_omega): budget_sa_counts
 
@@ -63,8 +62,6 @@ class RouteBatch:
     rows_i32: torch.Tensor  # [R] int32: rows, for the router kernel (cast once per step)
     final_slot_row: torch.Tensor  # [R] int32: each row's routing-table slot if its routing is final, else -1
     host: list[RouteRow]
-    share_idx: torch.Tensor | None = None  # [S] long: routing rows with a fixed SA share
-    share_fa: torch.Tensor | None = None  # [S, L, Hkv] bool: their fixed decisions (True = FA)
     # the bias every row shares (the fused router kernel takes one margin scalar), or None when rows differ
     uniform_bias: float | None = 0.0
     biases: torch.Tensor | None = None  # [R, 1] float64 biases when they differ (the margin is rounded to float32 once)
@@ -74,29 +71,9 @@ class RouteBatch:
 
     @property
     def needs_glue(self) -> bool:
-        """Some row's decisions are not the fused kernel's thresholded argmax: fixed shares and budgets (a budget
-        ranks the heads of a row, which one (row, head) program cannot) run through :func:`route_layer`."""
-        return self.share_idx is not None or self.budget_idx is not None
-
-
-def fixed_share_fa(share: float, num_layers: int, kv_heads: Sequence[int], total_kv_heads: int) -> torch.Tensor:
-    """A fixed head assignment with ``share`` of the KV heads of the model in SA (benchmarks).
-
-    Layer l gets ``c(l+1) - c(l)`` SA heads, ``c(l) = floor(share * H * l + 1/2)`` (H = total KV heads),
-    so the model-wide count is ``round(share * H * L)``; they are the heads ``c(l), c(l)+1, ...``
-    (mod H), so the SA heads rotate over the layers. ``kv_heads``: the global index of each local head
-    (tensor parallelism). Returns [L, len(kv_heads)] bool, True = FA. E.g. H=8, share 0.75: six SA
-    heads in every layer, starting at head 0, 6, 4, 2, 0, ...
-    """
-    H = total_kv_heads
-    c = [int(share * H * layer + 0.5) for layer in range(num_layers + 1)]
-    fa = torch.ones(num_layers, len(kv_heads), dtype=torch.bool)
-    for layer in range(num_layers):
-        n_sa = c[layer + 1] - c[layer]
-        for j, g in enumerate(kv_heads):
-            if (g - c[layer]) % H < n_sa:
-                fa[layer, j] = False
-    return fa
+        """Some row's decisions are not the fused kernel's thresholded argmax: budgets (a budget ranks the heads
+        of a row, which one (row, head) program cannot) run through :func:`route_layer`."""
+        return self.budget_idx is not None
 
 
 def build_route_batch(
@@ -105,12 +82,11 @@ def build_route_batch(
     block_size: int,
     pooling: str,
     pool_tokens: int,
-    share_fa: Callable[[float], torch.Tensor] | None = None,
     budget_sa: Callable[[float], list[int]] | None = None,
 ) -> RouteBatch:
     """Gather indices of every routing row's pooled tokens, built on the block table's device.
-    ``share_fa(share)`` gives the [L, Hkv] fixed decisions of rows with an ``sa_share``; ``budget_sa(target)``
-    the SA heads per layer of rows with a ``target`` (this rank's heads, ``budget_sa_counts``)."""
+    ``budget_sa(target)`` gives the SA heads per layer of rows with a ``target`` (this rank's heads,
+    ``budget_sa_counts``)."""
     dev = block_table.device
     pos_list, row_list = [], []
     for i, r in enumerate(rows):
@@ -126,14 +102,7 @@ def build_route_batch(
     batch_rows = torch.tensor([r.row for r in rows], dtype=torch.long).to(dev, non_blocking=True)
     blocks = block_table.index_select(0, batch_rows)[token_row, pos // block_size].long()  # [N]
     final = [(i, r.final_slot) for i, r in enumerate(rows) if r.final_slot is not None]
-    shared = [(i, r.sa_share) for i, r in enumerate(rows) if r.sa_share is not None]
-    share_idx = share = None
-    if shared:
-        if share_fa is None:
-            raise RuntimeError("elastic: a routing row has an sa_share but no share_fa table was given")
-        share_idx = torch.tensor([i for i, _ in shared], dtype=torch.long).to(dev, non_blocking=True)
-        share = torch.stack([share_fa(v) for _, v in shared])
-    budgeted = [(i, r.target) for i, r in enumerate(rows) if r.target is not None and r.sa_share is None]
+    budgeted = [(i, r.target) for i, r in enumerate(rows) if r.target is not None]
     budget_idx = budget = None
     if budgeted:
         if budget_sa is None:
@@ -165,8 +134,6 @@ def build_route_batch(
             dev, non_blocking=True
         ),
         host=rows,
-        share_idx=share_idx,
-        share_fa=share,
         uniform_bias=uniform,
         biases=biases,
         budget_idx=budget_idx,
@@ -245,8 +212,6 @@ def route_layer(
     if rb.any_forced:
         force = rb.force.view(-1, 1)
         fa = torch.where(force == FORCE_CODE["all-FA"], True, torch.where(force == FORCE_CODE["all-SA"], False, fa))
-    if rb.share_idx is not None:  # fixed SA share (benchmarks): replaces router and force
-        fa = fa.index_copy(0, rb.share_idx, rb.share_fa[:, layer])
     return logits, fa, decisions_to_modes(fa, cfg), pooled
 
 
@@ -291,7 +256,7 @@ class TritonRouter:
         program, two launches per layer instead of ~14 small ops. ``tables``: (row_modes [L, B, Hkv],
         table_modes, table_fa, table_logits) of the engine state. Rows sharing one bias give the kernel one margin
         (the server's less that bias); rows with different biases give it a threshold per row (``neg_margins``);
-        rows with a fixed SA share or budget use :func:`route_layer` (``RouteBatch.needs_glue``)."""
+        rows with a fixed SA budget use :func:`route_layer` (``RouteBatch.needs_glue``)."""
         from elastic_vllm.csrc.route import RouteEpilogue, check_epilogue
 
         R = rb.rows.numel()

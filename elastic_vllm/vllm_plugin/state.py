@@ -34,8 +34,7 @@ When a row is routed (its request has no final routing yet):
   later step of the request;
 - a chunk that ends before the prompt does (chunked prefill): ``chunk_routing="prefix"`` routes it
   over the boundary of the prefix processed so far (tokens [0, end of this chunk)), for this chunk
-  only; ``"dense"`` runs it with every head FA. Requests forced to all-FA / all-SA use their force;
-  requests with a fixed SA share (``elastic_sa_share``, benchmarks) use it for every chunk.
+  only; ``"dense"`` runs it with every head FA. Requests forced to all-FA / all-SA use their force.
 
 The boundary keys are always read from the paged cache, so prefix-cache hits (first chunk starting
 past token 0) take the same path. Rows whose queries lie past the prompt (decode, or tokens
@@ -73,7 +72,6 @@ from elastic_vllm.vllm_plugin.overrides import (
     engine_load_bias,
     request_knobs,
     request_override,
-    request_sa_share,
 )
 from elastic_vllm.vllm_plugin.parallel import global_kv_heads, is_first_replica
 from elastic_vllm.vllm_plugin.recording import Recorder, StepTimer
@@ -83,7 +81,6 @@ from elastic_vllm.vllm_plugin.routing import (
     TritonRouter,
     build_route_batch,
     decode_modes,
-    fixed_share_fa,
     route_layer,
 )
 
@@ -92,8 +89,9 @@ logger = logging.getLogger("elastic_vllm.vllm_plugin")
 # Pre-RoPE key recovery inverts NeoX-style (rotate-half) RoPE, which these architectures use.
 NEOX_ROPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite")
 RECORD_POOLED_ENV = "ELASTIC_VLLM_RECORD_POOLED"
-# Share tables kept (elastic_sa_share): a benchmark sweeps ~10 shares; each table is L x Hkv booleans.
-SHARE_TABLES = 64
+# Budget tables kept (elastic_target_omega / target_omega): clients choose the floats, so the cache must not grow
+# with them; each table is L ints and an evicted one is rebuilt on its next use.
+BUDGET_TABLES = 64
 
 
 def parse_additional_config(vllm_config) -> tuple[ElasticConfig, str | None]:
@@ -134,7 +132,7 @@ def is_vllm_warmup_request(req_id: str) -> bool:
     return VLLM_WARMUP_REQ_ID.fullmatch(req_id) is not None
 
 
-def row_is_dense(cfg: ElasticConfig, seq_len: int, force: str, sa_share: float | None, decode_phase: bool) -> bool:
+def row_is_dense(cfg: ElasticConfig, seq_len: int, force: str, decode_phase: bool) -> bool:
     """True when every KV head of a row computes exactly full causal attention at this step, whatever the
     router decides: the step can then run vLLM's FlashAttention kernel instead of the hybrid one.
 
@@ -142,13 +140,12 @@ def row_is_dense(cfg: ElasticConfig, seq_len: int, force: str, sa_share: float |
     - ``seq_len <= sink + window``: a streaming head sees every causal key (a key j <= i is hidden only when
       j >= sink and i - j >= window, i.e. i >= sink + window), so SSA == FA, for prompt and decode queries;
     - decode queries with ``decode_mode="dense"``, or of a request forced all-FA: every head FA;
-    - prompt queries of a request forced all-FA (without a fixed SA share)."""
+    - prompt queries of a request forced all-FA."""
     if cfg.mode != "FA-SSA":
         return False
     if seq_len <= cfg.sink + cfg.window:
         return True
-    all_fa = force == "all-FA" and sa_share is None
-    return (decode_phase and cfg.decode_mode == "dense") or all_fa
+    return (decode_phase and cfg.decode_mode == "dense") or force == "all-FA"
 
 
 @dataclass
@@ -157,7 +154,6 @@ class RequestState:
     prompt_len: int
     override: str  # the request's own elastic_force
     force: str  # effective: override, or the server's force when override is auto
-    sa_share: float | None = None  # benchmarks: fixed SA share replacing the decisions (elastic_sa_share)
     knobs: Knobs = field(default_factory=Knobs)  # its own elastic_bias / elastic_target_omega (recorded as requested)
     bias: float = 0.0  # what its routing applies: its own bias, else the server's bias plus the load bias
     target: float | None = None  # its own target, else the server's target_omega (when it sent no bias)
@@ -222,7 +218,6 @@ class EngineState(compat.RunnerObserver):
         self.record_pooled = os.environ.get(RECORD_POOLED_ENV, "0") not in ("", "0")
         self.use_v2_runner = compat.uses_v2_model_runner(vllm_config)
         self.requests: dict[str, RequestState] = {}
-        self.share_tables: dict[float, torch.Tensor] = {}  # sa_share -> [L, Hkv] bool on the device
         self.budget_tables: dict[float, list[int]] = {}  # target -> SA heads per layer (this rank)
         self.rows: list[str | None] | None = None
         self.step_tokens: dict[str, int] = {}
@@ -368,14 +363,13 @@ class EngineState(compat.RunnerObserver):
         client = {k: v for k, v in extra.items() if k != LOAD_BIAS_KEY} if extra else extra
         try:
             override = request_override(client)
-            sa_share = request_sa_share(client)
             knobs = request_knobs(client)
-            check_allowed(override, sa_share, self.cfg, knobs)
+            check_allowed(override, self.cfg, knobs)
             load_bias = engine_load_bias(extra, self.cfg.load_policy.max_bias)
         except ValueError as e:  # admission validates this; never take the engine down for it
             logger.error("elastic: request %s: %s; using the server default", nr.req_id, e)
             observe.COUNTERS.invalid_overrides += 1
-            override, sa_share, knobs, load_bias = "auto", None, Knobs(), 0.0
+            override, knobs, load_bias = "auto", Knobs(), 0.0
         if knobs.key is not None:  # its own knob replaces the server's bias / target and the load policy
             bias, target = knobs.bias or 0.0, knobs.target
         else:
@@ -385,7 +379,6 @@ class EngineState(compat.RunnerObserver):
             prompt_len=prompt_len,
             override=override,
             force=effective_force(override, self.cfg.force),
-            sa_share=sa_share,
             knobs=knobs,
             bias=bias,
             target=target,
@@ -442,18 +435,16 @@ class EngineState(compat.RunnerObserver):
                 slot_of_row[b] = st.table_slot
                 decode_row[b] = decode_phase
             elif seq_len >= st.prompt_len:
-                route_rows.append(
-                    RouteRow(b, st.prompt_len, st.force, decode_phase, slot, st.sa_share, st.bias, st.target)
-                )
+                route_rows.append(RouteRow(b, st.prompt_len, st.force, decode_phase, slot, st.bias, st.target))
                 st.table_slot = slot
                 st.final = True
                 st.pending = True
-            elif st.force != "auto" or st.sa_share is not None or self.cfg.chunk_routing == "prefix":
-                route_rows.append(RouteRow(b, seq_len, st.force, False, None, st.sa_share, st.bias, st.target))
+            elif st.force != "auto" or self.cfg.chunk_routing == "prefix":
+                route_rows.append(RouteRow(b, seq_len, st.force, False, None, st.bias, st.target))
             else:
                 routed = False  # a chunk before the prompt's end under chunk_routing="dense": all FA
             if routed and dense:
-                dense = row_is_dense(self.cfg, seq_len, st.force, st.sa_share, decode_phase)
+                dense = row_is_dense(self.cfg, seq_len, st.force, decode_phase)
         # rows with a final routing (and dummy rows: the reserved all-FA slot) from the table
         idx = torch.tensor(slot_of_row, dtype=torch.long).to(self.device, non_blocking=True)
         modes = self.table_modes.index_select(0, idx)  # [B, L, H]
@@ -471,7 +462,6 @@ class EngineState(compat.RunnerObserver):
                 self.block_size,
                 self.cfg.pooling,
                 self.cfg.pool_tokens,
-                share_fa=self.share_table,
                 budget_sa=self.budget_counts,
             )
             observe.COUNTERS.routed_rows += len(route_rows)
@@ -492,22 +482,10 @@ class EngineState(compat.RunnerObserver):
         ub = getattr(common, "seq_lens_cpu_upper_bound", None)
         return ub[:B].tolist() if ub is not None else common.seq_lens[:B].tolist()
 
-    def share_table(self, share: float) -> torch.Tensor:
-        """Fixed decisions [L, Hkv] (True = FA) of requests with ``elastic_sa_share`` = share, cached for
-        the last SHARE_TABLES shares (clients choose the floats: the cache must not grow with them; an
-        evicted table is rebuilt on its next use, each step's RouteBatch holds its own)."""
-        t = self.share_tables.get(share)
-        if t is None:
-            fa = fixed_share_fa(share, self.num_layers, self.kv_heads, self.shape.num_kv_heads)
-            t = self.share_tables[share] = fa.to(self.device)
-            while len(self.share_tables) > SHARE_TABLES:
-                self.share_tables.pop(next(iter(self.share_tables)))
-        return t
-
     def budget_counts(self, target: float) -> list[int]:
         """SA heads per layer of this rank's KV heads for a fixed budget ``target`` (``budget_sa_counts``): the
         ranks' head groups are contiguous blocks of ``len(kv_heads)`` global heads (replicated heads: one group
-        per head, and its replicas decide the same). Cached like the share tables (clients choose the floats)."""
+        per head, and its replicas decide the same). The last BUDGET_TABLES targets are cached."""
         counts = self.budget_tables.get(target)
         if counts is None:
             g = len(self.kv_heads)
@@ -515,7 +493,7 @@ class EngineState(compat.RunnerObserver):
             counts = self.budget_tables[target] = budget_sa_counts(
                 target, self.num_layers, self.kv_heads[0] // g, groups, g
             )
-            while len(self.budget_tables) > SHARE_TABLES:
+            while len(self.budget_tables) > BUDGET_TABLES:
                 self.budget_tables.pop(next(iter(self.budget_tables)))
         return counts
 

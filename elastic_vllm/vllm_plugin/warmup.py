@@ -132,7 +132,7 @@ def warm_up(st, dtype: torch.dtype, num_q_heads: int, head_size: int) -> dict:
             # the fused router (its epilogue writes row_modes of this layer: rewritten by every step's plan), once
             # per variant: one threshold for the step, and a threshold per row (rows of different biases)
             for rows in router_warmup_rows(RouteRow):
-                rb = build_route_batch(rows, bt, bs, cfg.pooling, cfg.pool_tokens, share_fa=st.share_table)
+                rb = build_route_batch(rows, bt, bs, cfg.pooling, cfg.pool_tokens)
                 st.route(0, key_cache, rb)
         report = {"compile_s": 0.0, "dense": None, "dense_reason": ""}
         if dense_requested():

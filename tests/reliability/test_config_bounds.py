@@ -88,13 +88,18 @@ def test_client_overrides_values():
     assert ElasticConfig().client_overrides == (
         "all-FA",
         "all-SA",
-        "elastic_sa_share",
         "elastic_bias",
         "elastic_target_omega",
     )  # every per-request override is allowed unless the operator narrows the list
     assert ElasticConfig.parse({"client_overrides": []}).client_overrides == ()
-    for bad in (["auto"], ["sparse"], "all-FA", [True]):
+    for bad in (["auto"], ["sparse"], "all-FA", [True], [["elastic_sa_share"]]):
         refused({"client_overrides": bad}, "client_overrides")
+
+
+@pytest.mark.parametrize("listed", [["elastic_sa_share"], ["all-FA", "elastic_sa_share", "elastic_target_omega"]])
+def test_client_overrides_refuse_a_retired_key_naming_its_replacement(listed):
+    msg = refused({"client_overrides": listed}, "client_overrides")
+    assert "'elastic_sa_share' is no longer supported: use elastic_target_omega" in msg, msg
 
 
 def test_echoed_value_is_truncated():

@@ -1,4 +1,4 @@
-"""P13.4 no silent degradation, and the operator's share knob (P13.5) bounded, below the server:
+"""P13.4 no silent degradation, and the per-request budget knob bounded, below the server:
 
 - NaN / inf router logits send the head to FA (not SA, as argmax and NaN comparisons did), the engine
   counts them and warns once;
@@ -7,7 +7,7 @@
 - a router trained with another sink / window / mode than the server's: a warning naming both;
 - copies of one shipped router in several search folders resolve to the first in the documented order
   (and the choice is logged); different routers for one model still stop startup;
-- the share tables of ``elastic_sa_share`` stay bounded whatever floats clients send.
+- the budget tables of ``elastic_target_omega`` stay bounded whatever floats clients send.
 """
 
 from __future__ import annotations
@@ -166,13 +166,12 @@ def test_different_routers_for_one_model_still_refuse(tmp_path, monkeypatch):
     assert str(other) in str(e.value) and str(SHIPPED) in str(e.value)
 
 
-def test_share_tables_stay_bounded():
-    from elastic_vllm.vllm_plugin.state import SHARE_TABLES, EngineState
+def test_budget_tables_stay_bounded():
+    from elastic_vllm.vllm_plugin.state import BUDGET_TABLES, EngineState
 
-    st = SimpleNamespace(
-        share_tables={}, num_layers=LAYERS, kv_heads=(0, 1, 2), shape=SimpleNamespace(num_kv_heads=3), device="cpu"
-    )
+    st = SimpleNamespace(budget_tables={}, num_layers=LAYERS, kv_heads=(0, 1, 2), shape=SimpleNamespace(num_kv_heads=3))
     for i in range(1000):
-        t = EngineState.share_table(st, i / 1000)
-        assert t.shape == (LAYERS, 3)
-    assert len(st.share_tables) <= SHARE_TABLES
+        counts = EngineState.budget_counts(st, i / 1000)
+        assert len(counts) == LAYERS and sum(counts) == math.floor(i / 1000 * LAYERS * 3 + 0.5)
+        assert len(st.budget_tables) <= BUDGET_TABLES
+    assert EngineState.budget_counts(st, 0.0) == [0] * LAYERS  # evicted long ago: rebuilt, not a stale entry

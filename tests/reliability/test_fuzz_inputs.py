@@ -12,18 +12,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic_vllm.config import FORCES, ConfigError, ElasticConfig
+from elastic_vllm.config import FORCES, RETIRED_CLIENT_OVERRIDES, ConfigError, ElasticConfig
 from elastic_vllm.vllm_plugin.ops import OPS_CHOICES, OPS_ENV, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import (
     BIAS_KEY,
     LOAD_BIAS_KEY,
     OVERRIDE_KEY,
-    SHARE_KEY,
     TARGET_KEY,
     effective_force,
     request_knobs,
     request_override,
-    request_sa_share,
     validate_sampling_params,
 )
 from elastic_vllm.vllm_plugin.state import parse_additional_config
@@ -38,14 +36,14 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=6,
 )
-KEYS = (OVERRIDE_KEY, SHARE_KEY, BIAS_KEY, TARGET_KEY, LOAD_BIAS_KEY)
+KEYS = (OVERRIDE_KEY, BIAS_KEY, TARGET_KEY, LOAD_BIAS_KEY, *RETIRED_CLIENT_OVERRIDES)
 xargs = st.dictionaries(st.sampled_from([*KEYS, "elastic_forc", "x"]), json_values, max_size=4)
 
 
 @settings(max_examples=500, deadline=None)
 @given(xargs | st.none())
 def test_request_override_accepts_or_names_the_field(extra):
-    """Any vllm_xargs: accepted with a valid (force, share), or ValueError naming vllm_xargs.<field>."""
+    """Any vllm_xargs: accepted with a valid force and knobs, or ValueError naming vllm_xargs.<field>."""
     try:
         validate_sampling_params(SimpleNamespace(extra_args=extra))
     except ValueError as e:
@@ -54,21 +52,18 @@ def test_request_override_accepts_or_names_the_field(extra):
         assert "\n" not in msg
         return
     force = request_override(extra)
-    share = request_sa_share(extra)
     assert force in FORCES
     assert effective_force(force, "all-SA") in FORCES
-    if share is not None:
-        assert isinstance(share, float) and 0.0 <= share <= 1.0 and not math.isnan(share)
-        assert force == "auto"
-    knobs = request_knobs(extra)  # at most one, finite and in range, only with force auto and no share
+    knobs = request_knobs(extra)  # at most one, finite and in range, only with force auto
     assert knobs.bias is None or knobs.target is None
     if knobs.bias is not None:
         assert isinstance(knobs.bias, float) and math.isfinite(knobs.bias) and abs(knobs.bias) <= 1024
     if knobs.target is not None:
         assert isinstance(knobs.target, float) and 0.0 <= knobs.target <= 1.0
     if knobs.key is not None:
-        assert force == "auto" and share is None
+        assert force == "auto"
     assert LOAD_BIAS_KEY not in (extra or {})
+    assert not set(RETIRED_CLIENT_OVERRIDES) & set(extra or {})  # a retired key is never accepted
 
 
 @settings(max_examples=300, deadline=None)

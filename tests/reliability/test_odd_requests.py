@@ -84,12 +84,12 @@ CASES = {
         BAD,
         "elastic_force: must be one of",
     ),
-    "sa_share_out_of_range": ("completions", completion("Hi", **xargs(elastic_sa_share=2)), BAD, "elastic_sa_share: must be a number in [0, 1]"),
-    "sa_share_with_force": (
-        "completions",
-        completion("Hi", **xargs(elastic_sa_share=0.5, elastic_force="all-FA")),
+    "retired_sa_share": ("completions", completion("Hi", **xargs(elastic_sa_share=0.5)), BAD, "elastic_sa_share: no longer supported; use elastic_target_omega"),
+    "retired_sa_share_chat_stream": (
+        "chat",
+        chat([{"role": "user", "content": "Hi"}], stream=True, **xargs(elastic_sa_share=0.5)),
         BAD,
-        "cannot be combined with elastic_force",
+        "elastic_sa_share: no longer supported",
     ),
     "xargs_not_an_object": ("completions", completion("Hi", vllm_xargs="all-FA"), BAD, "vllm_xargs"),
     # P15 elasticity knobs: each bad value a 400 naming the field (NaN / Infinity: as Python's json writes them,

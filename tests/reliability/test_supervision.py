@@ -60,7 +60,7 @@ def test_clients_get_only_the_overrides_the_operator_allows(srv):
         for xargs, field in (
             ({"elastic_force": "all-FA"}, "elastic_force"),
             ({"elastic_force": "all-SA"}, "elastic_force"),
-            ({"elastic_sa_share": 0.5}, "elastic_sa_share"),
+            ({"elastic_target_omega": 0.5}, "elastic_target_omega"),
         ):
             body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 2, "vllm_xargs": xargs}
             r = c.post("/v1/completions", json=body)

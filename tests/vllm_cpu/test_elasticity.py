@@ -130,7 +130,9 @@ BAD = [
     ({"elastic_bias": 1, "elastic_target_omega": 0.5}, r"elastic_bias: cannot be combined with elastic_target_omega"),
     ({"elastic_bias": 1, "elastic_force": "all-FA"}, r"elastic_bias: cannot be combined with elastic_force='all-FA'"),
     ({"elastic_target_omega": 0.5, "elastic_force": "all-SA"}, r"elastic_target_omega: cannot be combined with elastic_force='all-SA'"),
-    ({"elastic_target_omega": 0.5, "elastic_sa_share": 0.5}, r"elastic_target_omega: cannot be combined with elastic_sa_share"),
+    # a retired key is refused naming its replacement, alone or next to a valid knob (never silently ignored)
+    ({"elastic_sa_share": 0.5}, r"vllm_xargs.elastic_sa_share: no longer supported; use elastic_target_omega"),
+    ({"elastic_target_omega": 0.5, "elastic_sa_share": 0.5}, r"vllm_xargs.elastic_sa_share: no longer supported"),
     ({"elastic_load_bias": 1.0}, r"vllm_xargs.elastic_load_bias: set by the server's load policy"),
 ]  # fmt: skip
 
@@ -188,7 +190,6 @@ def test_cache_salt_and_mode_separate_every_knob_value():
         salt({"elastic_bias": -1.0}),
         salt({"elastic_target_omega": 0.5}),
         salt({"elastic_target_omega": 0.75}),
-        salt({"elastic_sa_share": 0.5}),
         salt({"elastic_force": "all-SA"}),
     ]
     assert len(set(salts)) == len(salts)
@@ -196,10 +197,10 @@ def test_cache_salt_and_mode_separate_every_knob_value():
     assert salts[1] == f"elastic:bias=1.0:{digest}" and salts[4] == f"elastic:target-omega=0.5:{digest}"
     # a server bias / target is part of the configuration digest
     assert server_config(SimpleNamespace(additional_config={"elastic": {"sink": 4, "bias": 1.0}}))[1] != digest
-    assert routing_mode("auto", None, "auto", Knobs(bias=1.0)) == "bias"
-    assert routing_mode("auto", None, "auto", Knobs(target=0.5)) == "target-omega"
-    assert routing_mode("auto", None, "auto", Knobs(), load_bias=2.0) == "load-bias"
-    assert routing_mode("auto", None, "auto") == "auto"
+    assert routing_mode("auto", "auto", Knobs(bias=1.0)) == "bias"
+    assert routing_mode("auto", "auto", Knobs(target=0.5)) == "target-omega"
+    assert routing_mode("auto", "auto", Knobs(), load_bias=2.0) == "load-bias"
+    assert routing_mode("auto", "auto") == "auto"
     assert is_load_policy_eligible(None, cfg) and not is_load_policy_eligible({"elastic_bias": 0.0}, cfg)
     assert not is_load_policy_eligible({"elastic_force": "all-FA"}, cfg)
 

@@ -62,6 +62,7 @@ def test_stamp_only_requests_without_a_knob_of_their_own():
     original = tenant.sampling_params.extra_args
     assert p.stamp(tenant) == 8.0 and original == {"x": 1}  # the client's dict is not modified
     assert tenant.cache_salt == "tenant|elastic:auto:abc|elastic:load-bias=8.0"
+    # requests with a knob of their own keep it; refused ones (a bad value, a retired key) are not biased either
     for own in ({"elastic_bias": -2.0}, {"elastic_target_omega": 0.5}, {"elastic_force": "all-FA"},
                 {"elastic_sa_share": 0.5}, {"elastic_bias": "bad"}):  # fmt: skip
         r = request(dict(own))

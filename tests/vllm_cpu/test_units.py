@@ -566,6 +566,22 @@ def test_startup_errors_name_the_fix(tmp_path, monkeypatch):
         resolve_ops("cuda", torch.device("cpu"))
 
 
+def test_router_stays_float32_when_the_engine_builds_in_bf16(tmp_path):
+    """vLLM constructs the model (and the backend state) with the model dtype as torch's default."""
+    torch.manual_seed(1)
+    saved = ElasticRouter(L, 64)
+    path = save_test_router(saved, tmp_path / "r", HKV)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        st = EngineState(fake_vllm_config({"elastic": {"router_path": str(path)}}))
+    finally:
+        torch.set_default_dtype(before)
+    assert torch.get_default_dtype() == before
+    for (name, p), q in zip(st.router.named_parameters(), saved.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p, q), name
+
+
 def test_the_default_shipped_router_is_found_beside_the_alternatives(monkeypatch):
     """The real router_weights/: SmolLM2's default is found by shape, the sparser alternative (same shape, same
     backbone id) is not a second match, and it still loads as a router for that backbone."""
