@@ -54,6 +54,8 @@ DRY = {  # --dry: the same plumbing at CPU size
     "32k": dict(model="llama", input=160, output=4, prompts=2, concurrency=1),
 }
 SHARE = 0.75  # Omega_MSR of the Llama-shape elastic server: whole layers to SA
+# the demo model's elastic server: the shipped router (found by router discovery), its training sink / window
+DEMO_ELASTIC = {"sink": 128, "window": 512}
 
 
 # --- models ---------------------------------------------------------------------------------------------
@@ -106,7 +108,9 @@ def fixed_share_router(model_dir: Path, work: Path, share: float) -> Path:
 # --- client ----------------------------------------------------------------------------------------------
 def bench(server, tokenizer: Path, w: dict, seed: int, out_dir: Path, tag: str) -> dict:
     """One run of vLLM's benchmark client: the code of ``vllm bench serve`` (``vllm.benchmarks.serve``), called in
-    this process so that its import (~15 s) is paid once, not per run. Returns its result JSON as it saves it."""
+    this process so that its import (~15 s) is paid once, not per run. Returns its result JSON as it saves it.
+    ``w``: input / output tokens, range_ratio, prompts, and concurrency (``--max-concurrency``) and / or rate
+    (``--request-rate``, requests/s, Poisson arrivals; without it all requests are sent at once)."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -116,7 +120,9 @@ def bench(server, tokenizer: Path, w: dict, seed: int, out_dir: Path, tag: str) 
         "--model", server.served_name, "--tokenizer", str(tokenizer), "--dataset-name", "random",
         "--random-input-len", str(w["input"]), "--random-output-len", str(w["output"]),
         "--random-range-ratio", str(w.get("range_ratio", 0.0)), "--num-prompts", str(w["prompts"]),
-        "--max-concurrency", str(w["concurrency"]), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
+        *(["--max-concurrency", str(w["concurrency"])] if w.get("concurrency") else []),
+        *(["--request-rate", str(w["rate"])] if w.get("rate") else []),
+        "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", fname,
     ]  # fmt: skip
@@ -337,6 +343,20 @@ def markdown(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def server_env(cuda: bool) -> tuple[dict, list[str]]:
+    """The servers' environment (offline, no usage stats) and the arguments every server gets: none on the GPU
+    (vLLM's serving defaults); on the CPU float32, eager and 256 tokens a step."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               TOKENIZERS_PARALLELISM="false", VLLM_USE_FLASHINFER_SAMPLER="0")  # fmt: skip
+    common: list[str] = []
+    if not cuda:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # float32 and eager: bf16 matmuls and torch.compile take minutes on a 2-core CPU
+        common = ["--dtype", "float32", "--max-num-batched-tokens", "256", "--enforce-eager"]
+    return env, common
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -375,14 +395,7 @@ def main(argv: list[str] | None = None) -> int:
 
         a.demo_model = fetch_demo_model()
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               TOKENIZERS_PARALLELISM="false", VLLM_USE_FLASHINFER_SAMPLER="0")  # fmt: skip
-    common: list[str] = []
-    if not cuda:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        # float32 and eager: bf16 matmuls and torch.compile take minutes on a 2-core CPU
-        common = ["--dtype", "float32", "--max-num-batched-tokens", "256", "--enforce-eager"]
+    env, common = server_env(cuda)
     llama_names = [w for w in names if table[w]["model"] == "llama"]
     demo_names = [w for w in names if table[w]["model"] == "demo"]
     mml = max([table[w]["input"] + table[w]["output"] for w in llama_names] or [1024])
@@ -390,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.report:
         llama = llama_dir(work, a.demo_model, mml, a.dry)
         el_llama = {"router_path": str(fixed_share_router(llama, work, SHARE))}
-    el_demo = {"sink": 128, "window": 512}  # the shipped router's training sink / window
+    el_demo = dict(DEMO_ELASTIC)
     servers = {} if a.report else {
         "llama-base": (llama, "llama", baseline, ["--load-format", "dummy", "--max-model-len", str(mml)], llama_names),
         "llama-elastic": (llama, "llama", "elastic", ["--load-format", "dummy", "--max-model-len", str(mml),

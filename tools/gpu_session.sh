@@ -15,6 +15,10 @@
 #                                           # (space-separated folders, run side by side on the GPU), MARGINS
 #   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2); SECTIONS / QUICK
 #   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
+#   bash tools/gpu_session.sh budgets     # eval --suite budgets (= elastic-vllm eval) of the demo model and ROUTER
+#                                           # (default: the shipped one): score vs realized Omega_MSR; SAMPLES, BUDGET
+#   bash tools/gpu_session.sh ramp        # benchmarks/load_ramp.py (P15): load policy off vs on, request-rate steps
+#                                           # past saturation, the live elastic:load_bias; RAMP_* (see the step)
 # One GPU, after staging: TRAIN_GPU=0 TRAIN_SITE=/tmp/vsite train_bg (the staged GGUF; carry .whl), then check /
 # kernels while it trains, collect_train, generalization; the timed `serve` last, alone on the GPU.
 # Two-GPU machine (nvidia-h200-x2), trainers in the background while vLLM is staged and checked:
@@ -183,6 +187,37 @@ case "$step" in
     python3 benchmarks/serve_bench.py --demo-model "$M" --servers "${SERVERS:?}" ${WORKLOADS:+--workloads $WORKLOADS} \
       --out /tmp/sb/"${SB_NAME:-serve}".json ${MERGE:+--merge $MERGE} 2>&1 | tail -60 || true
     cp /tmp/sb/"${SB_NAME:-serve}".json /tmp/sb/"${SB_NAME:-serve}".md "$OUT/" ;;
+  budgets)
+    # `elastic-vllm eval --suite budgets` (its harness through benchmarks/accuracy.py, as the eval steps: runs from the
+    # bare tree): accuracy vs realized Omega_MSR at fixed SA budgets, router-ranked vs static vs random heads. ROUTER
+    # (default the shipped router), TARGETS (default 0.25 0.5 0.75 0.9), SAMPLES per (family, category), BUDGET: the
+    # harness skips the budgets left after that many seconds (2 + 3 x 4 runs of the generalization split: ~8 min at 8)
+    M=$(demo)
+    python3 benchmarks/accuracy.py --suite budgets --model "$M" --router "${ROUTER:-router_weights/smollm2-135m-instruct}" \
+      --out "$OUT/budgets" --device cuda --samples ${SAMPLES:-8} --time-budget ${BUDGET:-480} \
+      ${TARGETS:+--targets $TARGETS} 2>&1 | grep -v Warning | tail -40 ;;
+  ramp)
+    # benchmarks/load_ramp.py: two elastic servers, load_policy off / on, each a burst (the off one's measures the
+    # saturating rate) then request-rate steps, prompts input x (1 +- range) tokens. RAMP_MODEL (demo: the shipped
+    # router; llama: 8B shape, dummy weights, fixed-share router), RAMP_STEPS (multiples of the saturating rate,
+    # default 0.5,1,1.5,2,3), RAMP_SAT (req/s; default measured), RAMP_STEP_S (seconds of arrivals a step, 12),
+    # RAMP_BURST (256; llama 32), RAMP_MAX_PROMPTS (3000), RAMP_INPUT / RAMP_RANGE / RAMP_OUTPUT (4096 / 0.9 / 32),
+    # RAMP_POLICY (JSON load_policy fields; default the config's), RAMP_SERVERS (off,on: split over calls with
+    # RAMP_SAT and MERGE; llama's servers take ~3 min each to start: split), RAMP_NAME, RAMP_TIMEOUT (520 s, then
+    # SIGINT: the servers stop, the JSON of the servers done stays). Back: OUT/<name>.json, .md, -bias.png. Takes
+    # ~ 2 x (startup + burst + ~6 x RAMP_STEP_S) s.
+    M=$(demo)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/pip-e.log 2>&1 || { tail /tmp/pip-e.log; exit 1; }
+    mkdir -p /tmp/ramp "$OUT"
+    n=${RAMP_NAME:-load-ramp}
+    timeout -s INT ${RAMP_TIMEOUT:-520} python3 benchmarks/load_ramp.py --demo-model "$M" --model ${RAMP_MODEL:-demo} \
+      --servers ${RAMP_SERVERS:-off,on} ${RAMP_STEPS:+--steps $RAMP_STEPS} ${RAMP_SAT:+--sat-rate $RAMP_SAT} \
+      ${RAMP_STEP_S:+--step-s $RAMP_STEP_S} ${RAMP_BURST:+--burst $RAMP_BURST} \
+      ${RAMP_MAX_PROMPTS:+--max-prompts $RAMP_MAX_PROMPTS} ${RAMP_INPUT:+--input $RAMP_INPUT} \
+      ${RAMP_RANGE:+--range-ratio $RAMP_RANGE} ${RAMP_OUTPUT:+--output $RAMP_OUTPUT} ${RAMP_POLICY:+--policy "$RAMP_POLICY"} \
+      --out /tmp/ramp/"$n".json ${MERGE:+--merge $MERGE} 2>&1 | grep -vE "^(INFO|DEBUG|WARNING|\(EngineCore|\(APIServer)" | tail -60 || true
+    cp /tmp/ramp/"$n".* /tmp/ramp/"$n"-bias.png "$OUT/" 2>/dev/null || true
+    ls -l "$OUT" ;;
   generalization)
     # the generalization suite (held-out task families) of each router in ROUTERS, concurrently on the one GPU
     # (the torch path at <= 4K tokens is launch-bound: two processes share it well); SAMPLES caps each
