@@ -208,14 +208,13 @@ def _xa_loop(
     return acc, l_i, m_i
 
 
-# ints that change with the batch's lengths are not specialised (Triton would compile a variant per
-# divisibility-by-16 pattern of them, each a stall of seconds in the engine the first time it shows up)
-# Compiled once per engine configuration: the ints and row pointers that vary between steps are not specialised.
-# A step's prefill rows start after its decode rows, so seq_lens / block_table / head_modes arrive offset by
-# num_decodes elements (16-byte alignment comes and goes) and num_reqs takes any value; specialising on them
-# compiled new variants while serving (vLLM's JIT monitor flagged _prefill_kernel in the first 1K-prompt burst).
-# The block table's row stride follows max_model_len, so the warm-up's synthetic batch would otherwise compile
-# another variant than the engine's (seen in the first 8K burst): not specialised. The q / o / cache strides
+# Compiled once per engine configuration: the ints and row pointers that vary between steps are not specialised
+# (Triton compiles a variant per divisibility-by-16 / 16-byte-alignment pattern, each a stall of seconds the first
+# time it shows up in the engine). A step's prefill rows start after its decode rows, so seq_lens / block_table /
+# head_modes arrive offset by num_decodes elements (16-byte alignment comes and goes) and num_reqs takes any
+# value. xa_idx / xa_cnt receive that same block-table slice when the step has no XA heads. The block table's row
+# stride follows max_model_len, so the warm-up's synthetic batch would otherwise compile another variant than the
+# engine's. tests/vllm_cpu/test_warmup_variants.py checks every serving launch against the warm-up's keys. The q / o / cache strides
 # are (multiples of 16 in the engine and the warm-up alike, head sizes being multiples of 16): that is what
 # makes the K / V tile copies 16-byte cp.async (144 LDGSTS.128 in the sm_90 build); without it they were
 # 448 2-byte loads and the H200's 8K prefills took 1.56x longer.
@@ -231,7 +230,15 @@ def _xa_loop(
         "s_xc0",
         "s_xc1",
     ],
-    do_not_specialize_on_alignment=["block_table", "query_start_loc", "seq_lens", "head_modes", "head_mode_slots"],
+    do_not_specialize_on_alignment=[
+        "block_table",
+        "query_start_loc",
+        "seq_lens",
+        "head_modes",
+        "head_mode_slots",
+        "xa_idx",
+        "xa_cnt",
+    ],
 )
 def _prefill_kernel(
     q,

@@ -129,7 +129,9 @@ def _pool_sums(key_cache, p_bt, i_h, k_first, k_end, k_step, pool_tokens, shift,
     return tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(ap, 0)
 
 
-@triton.jit(do_not_specialize=["pool_tokens"])
+# s_bt (the block table's row stride) follows max_model_len: specialised, the warm-up's table compiled another
+# variant than the engine's (tests/vllm_cpu/test_warmup_variants.py)
+@triton.jit(do_not_specialize=["s_bt", "pool_tokens"])
 def _route_pool_kernel(
     key_cache, block_table, req_rows, prompt_lens, inv_freq, ws_pool, s_kb, s_kt, s_kh, s_bt, pool_tokens,
     HKV: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, D: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -155,7 +157,7 @@ def _route_pool_kernel(
         tl.store(p_o + ROT + o_p, xp, mask=o_p < D - ROT)
 
 
-@triton.jit(do_not_specialize=["layer", "pool_tokens"])
+@triton.jit(do_not_specialize=["s_bt", "layer", "pool_tokens"])
 def _route_task_kernel(
     key_cache, block_table, req_rows, prompt_lens, inv_freq, weights, ws_pool, ws_f, norm,
     s_kb, s_kt, s_kh, s_bt, s_w, layer, pool_tokens, attention_scaling,
