@@ -1,6 +1,6 @@
 """Attention Router on the GPU: boundary keys from the paged cache -> pre-RoPE -> pool -> MLPs -> decision.
 
-Why one file of ~640 lines: one operator: the pool / task / router kernels share the packed weight layout and
+Why one file of ~660 lines: one operator: the pool / task / router kernels share the packed weight layout and
 the launch plan of ``Router`` (its reference: elastic_vllm/router/model.py).
 
 For each routed request r (prompt of ``prompt_lens[r]`` tokens, block-table row ``req_rows[r]``)

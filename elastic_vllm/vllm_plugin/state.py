@@ -1,6 +1,6 @@
 """Per-engine state of the elastic backend: configuration, router, routing table, request lifecycle.
 
-One file of ~610 lines (a third docstrings) because :class:`EngineState` is the one object the runner hooks,
+One file of ~590 lines (a third docstrings) because :class:`EngineState` is the one object the runner hooks,
 the metadata builder and every layer's forward share within a step; what needs none of that lives apart:
 recording (``recording.py``), the parallel layout (``parallel.py``), router discovery (``router/discovery.py``).
 
