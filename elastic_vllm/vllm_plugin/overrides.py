@@ -11,8 +11,9 @@ every head's margin: FA iff ``z_FA - z_SA > bias - sa_margin``, so > 0 is sparse
 router prefers SA most in each layer, :func:`router.model.budget_sa_counts`). One of the two per request, not with
 ``elastic_force`` other than auto; they replace the server's ``bias`` / ``target_omega`` for that request.
 ``elastic_load_bias`` is written by the engine's load policy (``load_policy.py``) and refused from clients.
-Retired keys (``config.RETIRED_CLIENT_OVERRIDES``, e.g. ``elastic_sa_share``) are refused naming their replacement:
-a client that still sends one would otherwise run the server's default routing without noticing.
+Retired keys (``config.RETIRED_CLIENT_OVERRIDES``, e.g. ``elastic_sa_share``) are refused naming their replacement,
+and any other unknown ``elastic_*`` key naming the known ones: a client that sends one would otherwise run the
+server's default routing without noticing.
 
 The server's ``client_overrides`` (``ElasticConfig``) says which of ``all-FA``, ``all-SA``,
 ``elastic_bias`` and ``elastic_target_omega`` clients may send; a request using another
@@ -40,6 +41,10 @@ OVERRIDE_KEY = "elastic_force"
 BIAS_KEY = "elastic_bias"
 TARGET_KEY = "elastic_target_omega"
 LOAD_BIAS_KEY = "elastic_load_bias"  # written by the engine core's load policy, never by a client
+# Any other key with this prefix is refused: a misspelt knob ("elastic_forc") would otherwise be ignored and the
+# request would run the server's default routing without the client noticing.
+KEY_PREFIX = "elastic_"
+CLIENT_KEYS = (OVERRIDE_KEY, BIAS_KEY, TARGET_KEY)
 
 
 def request_override(extra_args: dict[str, Any] | None) -> str:
@@ -89,6 +94,10 @@ def request_knobs(extra_args: dict[str, Any] | None) -> Knobs:
     for key, use in RETIRED_CLIENT_OVERRIDES.items():
         if key in extra_args:
             raise ValueError(f"vllm_xargs.{key}: no longer supported; {use}")
+    for key in extra_args:
+        if isinstance(key, str) and key.startswith(KEY_PREFIX) and key not in CLIENT_KEYS:
+            name = key if len(key) <= 80 and key.isprintable() else short_repr(key)  # one line in the 400
+            raise ValueError(f"vllm_xargs.{name}: not an elastic-vllm key (known: {', '.join(CLIENT_KEYS)})")
     bias = _number(extra_args, BIAS_KEY, -BIAS_MAX, BIAS_MAX) if BIAS_KEY in extra_args else None
     target = _number(extra_args, TARGET_KEY, 0.0, 1.0) if TARGET_KEY in extra_args else None
     knobs = Knobs(bias, target)

@@ -91,6 +91,7 @@ CASES = {
         BAD,
         "elastic_sa_share: no longer supported",
     ),
+    "unknown_elastic_key": ("completions", completion("Hi", **xargs(elastic_forc="all-FA")), BAD, "elastic_forc: not an elastic-vllm key (known: elastic_force"),
     "xargs_not_an_object": ("completions", completion("Hi", vllm_xargs="all-FA"), BAD, "vllm_xargs"),
     # P15 elasticity knobs: each bad value a 400 naming the field (NaN / Infinity: as Python's json writes them,
     # which FastAPI reads back; a null is refused by vLLM's own request model, naming the field too)

@@ -134,6 +134,9 @@ BAD = [
     ({"elastic_sa_share": 0.5}, r"vllm_xargs.elastic_sa_share: no longer supported; use elastic_target_omega"),
     ({"elastic_target_omega": 0.5, "elastic_sa_share": 0.5}, r"vllm_xargs.elastic_sa_share: no longer supported"),
     ({"elastic_load_bias": 1.0}, r"vllm_xargs.elastic_load_bias: set by the server's load policy"),
+    # a misspelt knob is refused naming the known keys (ignored, the request would run the default routing)
+    ({"elastic_forc": "all-FA"}, r"vllm_xargs.elastic_forc: not an elastic-vllm key \(known: elastic_force, elastic_bias, elastic_target_omega\)"),
+    ({"elastic_target_omega": 0.5, "elastic_target": 0.5}, r"vllm_xargs.elastic_target: not an elastic-vllm key"),
 ]  # fmt: skip
 
 
