@@ -246,20 +246,59 @@ def engine_rows() -> list[Row]:
 
 
 # --- serving -------------------------------------------------------------------------------------------------
-def serving_table() -> str:
-    d = load("serve-vs-flash-attn-h200.json")
+# Each workload's rows from the file of its latest run: 1K and 8K from serve-1k-8k-h200.json, the long prompts and
+# all-FA 32K from serve-vs-flash-attn-h200.json (the later run measured only 1K and 8K).
+SERVING = (("serve-1k-8k-h200.json", ("1k", "8k")), ("serve-vs-flash-attn-h200.json", ("32k", "128k", "fa32k")))
+
+
+def _serve_commit(d: dict, workload: str) -> str:
+    """The commit a workload's elastic rows ran at: the merged part that ran it (``--workloads``), else the file's."""
+    for m in d.get("merged_from", []):
+        if "--workloads " in m["command"] and workload in m["command"].split("--workloads ")[1].split()[0].split(","):
+            return m["git_commit"][:7] if "+" not in m["git_commit"] else m["git_commit"]
+    return d["environment"]["git_commit"][:7]
+
+
+def _target_workload(t: dict) -> str:
+    """'1k cold: ...' -> 1k, '32k/64 @4: ...' -> 32k, 'fa32k: ...' -> fa32k."""
+    return t["what"].split(":")[0].split()[0].split("/")[0]
+
+
+def serving_rows() -> dict[tuple[str, str], dict]:
+    """(workload, burst) -> comparison row, each from the file of SERVING that holds that workload."""
+    return {
+        (r["workload"], r["burst"]): r
+        for f, workloads in SERVING
+        for r in load(f)["comparison"]
+        if r["workload"] in workloads
+    }
+
+
+def serving_table(doc: Path) -> str:
+    ms = lambda r, k: f"{r[k][0]:.0f} -> {r[k][1]:.0f}" if k in r else "-"  # noqa: E731
     lines = [
-        "| workload | burst | throughput | median TTFT | p99 TTFT | median TPOT | TTFT speed | JIT (elastic) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | burst | throughput | median TTFT | p99 TTFT | median TPOT | TTFT speed | JIT (elastic) "
+        "| queued ms | prefill ms | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in d["comparison"]:
-        tpot = f"{r['median_tpot']:.2f}x" if r["median_tpot"] is not None else "-"
-        lines.append(
-            f"| {r['workload']} | {r['burst']} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
-            f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} |"
-        )
-    lines += ["", "| target | measured | |", "|---|---|---|"]
-    lines += [f"| {t['what']} | {t['value']} | {met(t['met'])} |" for t in d["targets"]]
+    targets = []
+    for f, workloads in SERVING:
+        d = load(f)
+        for r in d["comparison"]:
+            if r["workload"] not in workloads:
+                continue
+            tpot = f"{r['median_tpot']:.2f}x" if r["median_tpot"] is not None else "-"
+            lines.append(
+                f"| {r['workload']} | {r['burst']} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
+                f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} | "
+                f"{ms(r, 'queue_ms')} | {ms(r, 'prefill_ms')} | {_link(f, doc)} at {_serve_commit(d, r['workload'])} |"
+            )
+        targets += [
+            f"| {t['what']} | {t['value']} | {met(t['met'])} | {_link(f, doc)} at {_serve_commit(d, _target_workload(t))} |"
+            for t in d["targets"]
+            if _target_workload(t) in workloads
+        ]
+    lines += ["", "| target | measured | | run |", "|---|---|---|---|", *targets]
     return "\n".join(lines) + "\n"
 
 
@@ -506,15 +545,15 @@ def accuracy_rows() -> list[Row]:
 
 
 # --- the README's headline -----------------------------------------------------------------------------------
-def headline_rows() -> list[tuple[str, str, str]]:
-    """At most 8 rows: what, result, file."""
+def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
+    """At most 8 rows: what, result, file (or files)."""
     k = load("kernels-h200.json")
     p = {(r["S"], r["d"], r.get("share"), r["method"]): r for r in k["prefill"]}[(131072, 128, 0.75, "ours")]
     e = load("e2e-vllm-h200-llama.json")
     tt = {(r["len"], r["variant"]): r for r in e["summary"]["ttft_speedup"] if r["budget_tokens"] == 16384}
     v = "elastic FA-SSA share 0.75"
     dc = {(r["ctx"], r["batch"], r["decode_mode"]): r for r in load("e2e-vllm-h200-llama-decode-bs128.json")["summary"]["decode_speedup"]}  # fmt: skip
-    sv = {(r["workload"], r["burst"]): r for r in load("serve-vs-flash-attn-h200.json")["comparison"]}
+    sv = serving_rows()
     ruler = load("accuracy-smollm2-h200/results.json")["targets"][0]  # >= 97% of dense at Omega_MSR >= 0.5
     m = load("router-train-smollm2-h200/measure.json")
     c = load("check-kernels-h200.json")["results"]
@@ -543,7 +582,7 @@ def headline_rows() -> list[tuple[str, str, str]]:
                 f"{label} throughput {sv[(w, 'warm')]['throughput']:.2f}x, TTFT speed {sv[(w, 'warm')]['ttft_speedup']:.2f}x"
                 for label, w in (("1K", "1k"), ("32K", "32k"), ("128K", "128k"), ("all-FA 32K", "fa32k"))
             ),
-            "serve-vs-flash-attn-h200.json",
+            tuple(f for f, _ in SERVING),  # 1K from the first, the others from the second
         ),
         (
             "RULER at 8K, SmolLM2-135M, router s040: share of dense, Omega_MSR",
@@ -662,7 +701,9 @@ def headline_table(doc: Path) -> str:
     rows = headline_rows()
     assert len(rows) <= 8, "the README's headline table holds at most 8 rows"
     lines = ["| what | result | file |", "|---|---|---|"]
-    lines += [f"| {w} | {r} | {_link(f, doc)} |" for w, r, f in rows]
+    lines += [
+        f"| {w} | {r} | {', '.join(_link(x, doc) for x in ((f,) if isinstance(f, str) else f))} |" for w, r, f in rows
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -673,7 +714,7 @@ SECTIONS = {  # (file, name) -> the section's text, given the file
     (DOCS / "configuration.md", "config"): lambda doc: config_table(),
     (DOCS / "benchmarks.md", "kernels"): lambda doc: results_table(kernel_rows(), doc),
     (DOCS / "benchmarks.md", "engine"): lambda doc: results_table(engine_rows(), doc),
-    (DOCS / "benchmarks.md", "serving"): lambda doc: serving_table(),
+    (DOCS / "benchmarks.md", "serving"): serving_table,
     (DOCS / "benchmarks.md", "cpu"): lambda doc: results_table(cpu_rows(), doc),
     (DOCS / "benchmarks.md", "checks"): lambda doc: results_table(check_rows(), doc),
     (DOCS / "training.md", "routers"): lambda doc: results_table(router_rows(), doc),
