@@ -335,20 +335,28 @@ def cpu_rows() -> list[Row]:
 def check_rows() -> list[Row]:
     c = load("check-kernels-h200.json")
     v = load("check-vllm-h200.json")
-    latest = {r["name"]: r for run in v["runs"] for r in run["results"]}  # a later run's result of a check wins
+    # a later run's result of a check wins; a check a run asked for but did not run ('not_run': an environment
+    # failure, a timeout) keeps its earlier result, and is named as not run at that commit
+    latest = {r["name"]: (r, run["env"]["git_commit"][:7]) for run in v["runs"] for r in run["results"]}
+    skipped: dict[str, list[str]] = {}
+    for run in v["runs"]:
+        for r in run.get("not_run", []):
+            skipped.setdefault(run["env"]["git_commit"][:7], []).append(r["name"])
+    vllm = "; ".join(f"{n} {'pass' if r['ok'] else 'FAIL'} at {at}" for n, (r, at) in latest.items())
+    vllm += "".join(f"; not run at {at}: {', '.join(names)}" for at, names in skipped.items())
     tp = load("check-tp-h200x2.json")
     return [
         (
             "Kernel correctness against the PyTorch references",
             c["env"]["gpu"],
             f"{sum(r['ok'] for r in c['results'])} / {len(c['results'])} checks pass (prefill, XAttention, decode, "
-            "CUDA graph replay, router)",
+            f"CUDA graph replay, router) at {c['env']['git_commit'][:7]}",
             "check-kernels-h200.json",
         ),
         (
             "vLLM checks on the GPU (demo model + Llama-3.1-8B shape)",
             f"{v['runs'][0]['env']['gpu']}, vLLM {v['runs'][0]['env']['vllm']}",
-            passes(latest.values()),
+            vllm,
             "check-vllm-h200.json",
         ),
         (
