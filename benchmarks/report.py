@@ -391,6 +391,12 @@ def router_rows() -> list[Row]:
             "Sparser SmolLM2 router (router_weights/alternatives/smollm2-135m-instruct-s040, sensitive target 0.4)",
             "; 10 prompts per length",
         ),
+        (
+            "router-train-smollm2-v3-h200",
+            "SmolLM2 router retrained on the v3 mixture (the shipped router's recipe; not shipped, see "
+            "elastic_vllm/train/README.md)",
+            "; 10 prompts per length",
+        ),
     ):
         m, t = load(f"{d}/measure.json"), load(f"{d}/summary.json")
         rows.append(
@@ -522,6 +528,26 @@ def accuracy_rows() -> list[Row]:
                     for label, k in (("RULER", "ruler_avg"), ("robust", "robust_avg"))
                 )
                 + f"; whole run {a['wall_s']:.0f} s",
+                f"{name}/results.md",
+            )
+        )
+    for name, router in (
+        ("generalization-smollm2-h200", "the shipped router"),
+        ("generalization-smollm2-v3-h200", "the v3-mixture router (not shipped)"),
+    ):
+        a = load(f"{name}/results.json")
+        m0 = next(m for m in a["margins"] if m["sa_margin"] == 0)
+        dense = [a["table"][f]["sensitive"]["dense"]["score"] for f in a["table"]]
+        rows.append(
+            (
+                f"Held-out task families (generalization split, {a['data']['per_cell']} prompts per family and "
+                f"category), {router}",
+                a["provenance"]["gpu"],
+                "per-family targets met at sa_margin "
+                + ", ".join(f"{m['sa_margin']:.0f}: {m['targets_met']} / {m['targets']}" for m in a["margins"])
+                + f"; at 0 Omega_MSR sensitive {m0['sensitive_omega_msr']:.2f} / robust {m0['robust_omega_msr']:.2f}, "
+                f"keep {m0['sensitive_keep']:.0%} / {m0['robust_keep']:.0%}; dense sensitive scores "
+                f"{min(dense):.0f}-{max(dense):.0f} per family",
                 f"{name}/results.md",
             )
         )
