@@ -578,6 +578,25 @@ def accuracy_rows() -> list[Row]:
     return rows
 
 
+def budgets_table() -> str:
+    """Score per category and head choice at each target of the budgets suite, and the router's own point."""
+    a = load("budgets-smollm2-h200/results.json")
+    targets = a["targets"]
+    head = " / ".join(f"{t:g}" for t in targets)
+    lines = [
+        f"| category (dense score) | router {head} | static {head} | random {head} | router alone |",
+        "|---|---|---|---|---|",
+    ]
+    for cat, c in a["curves"].items():
+        cells = [" / ".join(f"{p['score']:.1f}" for p in c[m]) for m in ("router", "static", "random")]
+        own = c["router (own Omega)"][0]
+        lines.append(
+            f"| {cat} ({c['dense'][0]['score']:.1f}) | {' | '.join(cells)} | {own['score']:.1f} at Omega_MSR "
+            f"{own['omega_msr']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # --- the README's headline -----------------------------------------------------------------------------------
 def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
     """At most 8 rows: what, result, file (or files)."""
@@ -753,6 +772,7 @@ SECTIONS = {  # (file, name) -> the section's text, given the file
     (DOCS / "benchmarks.md", "checks"): lambda doc: results_table(check_rows(), doc),
     (DOCS / "training.md", "routers"): lambda doc: results_table(router_rows(), doc),
     (DOCS / "accuracy.md", "accuracy"): lambda doc: results_table(accuracy_rows(), doc),
+    (DOCS / "accuracy.md", "budgets"): lambda doc: budgets_table(),
 }
 
 
