@@ -246,20 +246,59 @@ def engine_rows() -> list[Row]:
 
 
 # --- serving -------------------------------------------------------------------------------------------------
-def serving_table() -> str:
-    d = load("serve-vs-flash-attn-h200.json")
+# Each workload's rows from the file of its latest run: 1K and 8K from serve-1k-8k-h200.json, the long prompts and
+# all-FA 32K from serve-vs-flash-attn-h200.json (the later run measured only 1K and 8K).
+SERVING = (("serve-1k-8k-h200.json", ("1k", "8k")), ("serve-vs-flash-attn-h200.json", ("32k", "128k", "fa32k")))
+
+
+def _serve_commit(d: dict, workload: str) -> str:
+    """The commit a workload's elastic rows ran at: the merged part that ran it (``--workloads``), else the file's."""
+    for m in d.get("merged_from", []):
+        if "--workloads " in m["command"] and workload in m["command"].split("--workloads ")[1].split()[0].split(","):
+            return m["git_commit"][:7] if "+" not in m["git_commit"] else m["git_commit"]
+    return d["environment"]["git_commit"][:7]
+
+
+def _target_workload(t: dict) -> str:
+    """'1k cold: ...' -> 1k, '32k/64 @4: ...' -> 32k, 'fa32k: ...' -> fa32k."""
+    return t["what"].split(":")[0].split()[0].split("/")[0]
+
+
+def serving_rows() -> dict[tuple[str, str], dict]:
+    """(workload, burst) -> comparison row, each from the file of SERVING that holds that workload."""
+    return {
+        (r["workload"], r["burst"]): r
+        for f, workloads in SERVING
+        for r in load(f)["comparison"]
+        if r["workload"] in workloads
+    }
+
+
+def serving_table(doc: Path) -> str:
+    ms = lambda r, k: f"{r[k][0]:.0f} -> {r[k][1]:.0f}" if k in r else "-"  # noqa: E731
     lines = [
-        "| workload | burst | throughput | median TTFT | p99 TTFT | median TPOT | TTFT speed | JIT (elastic) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | burst | throughput | median TTFT | p99 TTFT | median TPOT | TTFT speed | JIT (elastic) "
+        "| queued ms | prefill ms | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in d["comparison"]:
-        tpot = f"{r['median_tpot']:.2f}x" if r["median_tpot"] is not None else "-"
-        lines.append(
-            f"| {r['workload']} | {r['burst']} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
-            f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} |"
-        )
-    lines += ["", "| target | measured | |", "|---|---|---|"]
-    lines += [f"| {t['what']} | {t['value']} | {met(t['met'])} |" for t in d["targets"]]
+    targets = []
+    for f, workloads in SERVING:
+        d = load(f)
+        for r in d["comparison"]:
+            if r["workload"] not in workloads:
+                continue
+            tpot = f"{r['median_tpot']:.2f}x" if r["median_tpot"] is not None else "-"
+            lines.append(
+                f"| {r['workload']} | {r['burst']} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
+                f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} | "
+                f"{ms(r, 'queue_ms')} | {ms(r, 'prefill_ms')} | {_link(f, doc)} at {_serve_commit(d, r['workload'])} |"
+            )
+        targets += [
+            f"| {t['what']} | {t['value']} | {met(t['met'])} | {_link(f, doc)} at {_serve_commit(d, _target_workload(t))} |"
+            for t in d["targets"]
+            if _target_workload(t) in workloads
+        ]
+    lines += ["", "| target | measured | | run |", "|---|---|---|---|", *targets]
     return "\n".join(lines) + "\n"
 
 
@@ -296,20 +335,28 @@ def cpu_rows() -> list[Row]:
 def check_rows() -> list[Row]:
     c = load("check-kernels-h200.json")
     v = load("check-vllm-h200.json")
-    latest = {r["name"]: r for run in v["runs"] for r in run["results"]}  # a later run's result of a check wins
+    # a later run's result of a check wins; a check a run asked for but did not run ('not_run': an environment
+    # failure, a timeout) keeps its earlier result, and is named as not run at that commit
+    latest = {r["name"]: (r, run["env"]["git_commit"][:7]) for run in v["runs"] for r in run["results"]}
+    skipped: dict[str, list[str]] = {}
+    for run in v["runs"]:
+        for r in run.get("not_run", []):
+            skipped.setdefault(run["env"]["git_commit"][:7], []).append(r["name"])
+    vllm = "; ".join(f"{n} {'pass' if r['ok'] else 'FAIL'} at {at}" for n, (r, at) in latest.items())
+    vllm += "".join(f"; not run at {at}: {', '.join(names)}" for at, names in skipped.items())
     tp = load("check-tp-h200x2.json")
     return [
         (
             "Kernel correctness against the PyTorch references",
             c["env"]["gpu"],
             f"{sum(r['ok'] for r in c['results'])} / {len(c['results'])} checks pass (prefill, XAttention, decode, "
-            "CUDA graph replay, router)",
+            f"CUDA graph replay, router) at {c['env']['git_commit'][:7]}",
             "check-kernels-h200.json",
         ),
         (
             "vLLM checks on the GPU (demo model + Llama-3.1-8B shape)",
             f"{v['runs'][0]['env']['gpu']}, vLLM {v['runs'][0]['env']['vllm']}",
-            passes(latest.values()),
+            vllm,
             "check-vllm-h200.json",
         ),
         (
@@ -342,6 +389,12 @@ def router_rows() -> list[Row]:
         (
             "router-train-smollm2-s040-h200",
             "Sparser SmolLM2 router (router_weights/alternatives/smollm2-135m-instruct-s040, sensitive target 0.4)",
+            "; 10 prompts per length",
+        ),
+        (
+            "router-train-smollm2-v3-h200",
+            "SmolLM2 router retrained on the v3 mixture (the shipped router's recipe; not shipped, see "
+            "elastic_vllm/train/README.md)",
             "; 10 prompts per length",
         ),
     ):
@@ -478,6 +531,26 @@ def accuracy_rows() -> list[Row]:
                 f"{name}/results.md",
             )
         )
+    for name, router in (
+        ("generalization-smollm2-h200", "the shipped router"),
+        ("generalization-smollm2-v3-h200", "the v3-mixture router (not shipped)"),
+    ):
+        a = load(f"{name}/results.json")
+        m0 = next(m for m in a["margins"] if m["sa_margin"] == 0)
+        dense = [a["table"][f]["sensitive"]["dense"]["score"] for f in a["table"]]
+        rows.append(
+            (
+                f"Held-out task families (generalization split, {a['data']['per_cell']} prompts per family and "
+                f"category), {router}",
+                a["provenance"]["gpu"],
+                "per-family targets met at sa_margin "
+                + ", ".join(f"{m['sa_margin']:.0f}: {m['targets_met']} / {m['targets']}" for m in a["margins"])
+                + f"; at 0 Omega_MSR sensitive {m0['sensitive_omega_msr']:.2f} / robust {m0['robust_omega_msr']:.2f}, "
+                f"keep {m0['sensitive_keep']:.0%} / {m0['robust_keep']:.0%}; dense sensitive scores "
+                f"{min(dense):.0f}-{max(dense):.0f} per family",
+                f"{name}/results.md",
+            )
+        )
     g = load("agreement-h200-smollm2-8k-torch-vs-triton.json")
     gd, ge = g["methods"]["dense"], g["methods"]["elastic"]
     rows.append(
@@ -505,16 +578,35 @@ def accuracy_rows() -> list[Row]:
     return rows
 
 
+def budgets_table() -> str:
+    """Score per category and head choice at each target of the budgets suite, and the router's own point."""
+    a = load("budgets-smollm2-h200/results.json")
+    targets = a["targets"]
+    head = " / ".join(f"{t:g}" for t in targets)
+    lines = [
+        f"| category (dense score) | router {head} | static {head} | random {head} | router alone |",
+        "|---|---|---|---|---|",
+    ]
+    for cat, c in a["curves"].items():
+        cells = [" / ".join(f"{p['score']:.1f}" for p in c[m]) for m in ("router", "static", "random")]
+        own = c["router (own Omega)"][0]
+        lines.append(
+            f"| {cat} ({c['dense'][0]['score']:.1f}) | {' | '.join(cells)} | {own['score']:.1f} at Omega_MSR "
+            f"{own['omega_msr']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # --- the README's headline -----------------------------------------------------------------------------------
-def headline_rows() -> list[tuple[str, str, str]]:
-    """At most 8 rows: what, result, file."""
+def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
+    """At most 8 rows: what, result, file (or files)."""
     k = load("kernels-h200.json")
     p = {(r["S"], r["d"], r.get("share"), r["method"]): r for r in k["prefill"]}[(131072, 128, 0.75, "ours")]
     e = load("e2e-vllm-h200-llama.json")
     tt = {(r["len"], r["variant"]): r for r in e["summary"]["ttft_speedup"] if r["budget_tokens"] == 16384}
     v = "elastic FA-SSA share 0.75"
     dc = {(r["ctx"], r["batch"], r["decode_mode"]): r for r in load("e2e-vllm-h200-llama-decode-bs128.json")["summary"]["decode_speedup"]}  # fmt: skip
-    sv = {(r["workload"], r["burst"]): r for r in load("serve-vs-flash-attn-h200.json")["comparison"]}
+    sv = serving_rows()
     ruler = load("accuracy-smollm2-h200/results.json")["targets"][0]  # >= 97% of dense at Omega_MSR >= 0.5
     m = load("router-train-smollm2-h200/measure.json")
     c = load("check-kernels-h200.json")["results"]
@@ -543,7 +635,7 @@ def headline_rows() -> list[tuple[str, str, str]]:
                 f"{label} throughput {sv[(w, 'warm')]['throughput']:.2f}x, TTFT speed {sv[(w, 'warm')]['ttft_speedup']:.2f}x"
                 for label, w in (("1K", "1k"), ("32K", "32k"), ("128K", "128k"), ("all-FA 32K", "fa32k"))
             ),
-            "serve-vs-flash-attn-h200.json",
+            tuple(f for f, _ in SERVING),  # 1K from the first, the others from the second
         ),
         (
             "RULER at 8K, SmolLM2-135M, router s040: share of dense, Omega_MSR",
@@ -662,7 +754,9 @@ def headline_table(doc: Path) -> str:
     rows = headline_rows()
     assert len(rows) <= 8, "the README's headline table holds at most 8 rows"
     lines = ["| what | result | file |", "|---|---|---|"]
-    lines += [f"| {w} | {r} | {_link(f, doc)} |" for w, r, f in rows]
+    lines += [
+        f"| {w} | {r} | {', '.join(_link(x, doc) for x in ((f,) if isinstance(f, str) else f))} |" for w, r, f in rows
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -673,11 +767,12 @@ SECTIONS = {  # (file, name) -> the section's text, given the file
     (DOCS / "configuration.md", "config"): lambda doc: config_table(),
     (DOCS / "benchmarks.md", "kernels"): lambda doc: results_table(kernel_rows(), doc),
     (DOCS / "benchmarks.md", "engine"): lambda doc: results_table(engine_rows(), doc),
-    (DOCS / "benchmarks.md", "serving"): lambda doc: serving_table(),
+    (DOCS / "benchmarks.md", "serving"): serving_table,
     (DOCS / "benchmarks.md", "cpu"): lambda doc: results_table(cpu_rows(), doc),
     (DOCS / "benchmarks.md", "checks"): lambda doc: results_table(check_rows(), doc),
     (DOCS / "training.md", "routers"): lambda doc: results_table(router_rows(), doc),
     (DOCS / "accuracy.md", "accuracy"): lambda doc: results_table(accuracy_rows(), doc),
+    (DOCS / "accuracy.md", "budgets"): lambda doc: budgets_table(),
 }
 
 
