@@ -3,7 +3,7 @@
 measured with vLLM's own benchmark client (``vllm.benchmarks.serve``, what ``vllm bench serve`` runs;
 called in-process so its ~50 s import is paid once).
 
-    python3 benchmarks/cpu_serving.py [--model DIR] [--router DIR] [--out benchmarks/results/cpu-serving.json]
+    python3 benchmarks/cpu_serving.py [--model DIR] [--share S | --share auto [--router DIR]] [--out FILE.json]
 
 For each backend, one server (``vllm serve`` for CPU_ATTN, ``elastic-vllm serve`` for elastic, which also
 sets up the Prometheus multiprocess folder), then two runs of the client over the OpenAI completions
@@ -15,10 +15,13 @@ API with streaming:
 - ``throughput``: 4 prompts of 2K tokens at once (max concurrency 4), 32 output tokens each: request and
   token throughput, TTFT and time per output token under load.
 
-Elastic serves FA-SSA (sink 128, window 2048) with a router (``--router``, else an untrained random one)
-and every request asks for a fixed Omega_MSR 0.75 (``vllm_xargs.elastic_target_omega``: that share of SA heads in
-every layer, ranked by the router), so the prefill work matches the GPU benchmark's 0.75 rows; ``--share auto`` uses
-the router's own decisions.
+Elastic serves FA-SSA (sink 128, window 2048) with a fixed-share router (``--share``, default 0.75:
+``serve_bench.fixed_share_router``, the last round(share x 30) of the demo model's 30 layers SA whatever the input, so
+Omega_MSR 22/30 = 0.733 for 0.75), so the prefill work is close to the GPU benchmark's 0.75 rows and the requests,
+carrying no share, are routed by the same path as in serving (a per-request ``elastic_target_omega`` would take the
+router's slower torch glue path); ``--share auto``: the router's own decisions, the shipped router's (or
+``--router``'s). Runs before this sent ``elastic_target_omega`` (earlier ``elastic_sa_share``) with every request,
+ranked by an untrained random router.
 Both servers: float32 (bf16 matmuls are ~4x slower on this CPU), eager, max_model_len 8192, vLLM's serve
 defaults otherwise (chunked prefill with a 2048-token budget on CPU, so an 8K prompt arrives in 4 chunks),
 prefix caching off. The elastic backend runs its PyTorch path on CPU (the Triton kernels are GPU-only).
@@ -40,6 +43,7 @@ import time
 from pathlib import Path
 
 from _harness import ROOT, T0, environment, log, write_json
+from serve_bench import fixed_share_router
 
 NAME = "smollm2"
 BACKENDS = ("CPU_ATTN", "elastic")
@@ -51,28 +55,9 @@ ELASTIC_METRICS = ("elastic:request_omega_msr_sum", "elastic:request_omega_msr_c
                    "elastic:attention_forward_calls_total")  # fmt: skip
 
 
-def random_router(model: Path, work: Path) -> Path:
-    import torch
-
-    from elastic_vllm.router.checkpoint import BackboneMeta, BackboneShape, RouterMeta, save_router
-    from elastic_vllm.router.model import ElasticRouter
-
-    cfg = json.loads((model / "config.json").read_text())
-    shape = BackboneShape(
-        num_layers=cfg["num_hidden_layers"],
-        num_kv_heads=cfg["num_key_value_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-    )
-    torch.manual_seed(0)
-    meta = RouterMeta(
-        backbone=BackboneMeta(**shape.model_dump(), id="HuggingFaceTB/SmolLM2-135M-Instruct"),
-        training={"note": "random untrained router (benchmarks/cpu_serving.py): timing only"},
-    )
-    return save_router(ElasticRouter(shape.num_layers, shape.head_dim), work / "router", meta)
-
-
 def start_server(backend: str, model: Path, router: Path | None, log_path: Path):
-    """``elastic-vllm serve`` (elastic) or plain ``vllm serve`` (the baseline), ready to answer."""
+    """``elastic-vllm serve`` (elastic; ``router`` None: the shipped router) or plain ``vllm serve`` (the baseline),
+    ready to answer."""
     from elastic_vllm.server import ServeProcess
 
     env = {
@@ -81,7 +66,8 @@ def start_server(backend: str, model: Path, router: Path | None, log_path: Path)
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    srv = ServeProcess(model, elastic={"router_path": str(router)} if backend == "elastic" else None,
+    elastic = ({"router_path": str(router)} if router else {}) if backend == "elastic" else None
+    srv = ServeProcess(model, elastic=elastic,
                        args=SERVER_ARGS, served_name=NAME, env=env, log_path=log_path, backend=backend)  # fmt: skip
     srv.wait_ready(600)
     srv.startup_s = time.time() - srv.started
@@ -96,8 +82,7 @@ def elastic_metrics(srv) -> dict[str, float]:
     return {name: metric_value(text, name) for name in ELASTIC_METRICS}
 
 
-def bench(server, model: Path, n: int, input_len: int, output_len: int, concurrency: int, warmups: int,
-          extra_body: dict | None) -> dict:  # fmt: skip
+def bench(server, model: Path, n: int, input_len: int, output_len: int, concurrency: int, warmups: int) -> dict:
     """One run of vLLM's benchmark client (the code of ``vllm bench serve``) against the server."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -110,8 +95,6 @@ def bench(server, model: Path, n: int, input_len: int, output_len: int, concurre
             "--request-rate", "inf", "--ignore-eos", "--save-detailed", "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90", "--seed", "0",
             "--num-warmups", str(warmups)]  # fmt: skip
-    if extra_body:
-        argv += ["--extra-body", json.dumps(extra_body)]
     res = main(p.parse_args(argv))
     res["client_argv"] = "vllm bench serve " + " ".join(shlex.quote(a) for a in argv)
     return res
@@ -137,8 +120,16 @@ def run(args) -> dict:
     logs = out.parent / (out.stem + "_logs")
     logs.mkdir(parents=True, exist_ok=True)
     lengths = [int(x) for x in args.lengths.split(",")]
-    router = Path(args.router) if args.router else random_router(model, work)
     share = None if args.share == "auto" else float(args.share)
+    if share is not None:
+        if args.router:
+            raise SystemExit("--router is for --share auto; a fixed share is served by its fixed-share router")
+        router, what = fixed_share_router(model, work, share), f"fixed-share {share}"
+        layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+        omega = round(round(share * layers) / layers, 4)  # whole layers: round(share x L) of L run SA
+    else:
+        router = Path(args.router) if args.router else None  # None: the server finds the shipped router
+        what, omega = str(router) if router else "shipped", None
     env = environment(("torch", "vllm"))
     report = {
         "what": "vllm serve on CPU, demo model: elastic vs CPU_ATTN, vLLM's benchmark client (vllm bench serve)",
@@ -147,8 +138,10 @@ def run(args) -> dict:
         "machine": {"cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg()},
         "model": str(model),
         "elastic": {
-            "router": str(router) if args.router else "random untrained",
-            "target_omega": share if share is not None else "auto (router)",
+            "router": what,
+            "share": share,
+            # the Omega_MSR every request realizes (benchmarks/report.py reads it)
+            "target_omega": omega if share is not None else "auto (router)",
             "mode": "FA-SSA",
             "sink": 128,
             "window": 2048,
@@ -164,16 +157,15 @@ def run(args) -> dict:
         srv = start_server(backend, model, router if backend == "elastic" else None, logs / f"{backend}.log")
         entry.update(startup_s=round(srv.startup_s, 1), server_argv=srv.command)
         log(f"   ready in {srv.startup_s:.0f}s")
-        extra = {"vllm_xargs": {"elastic_target_omega": share}} if backend == "elastic" and share is not None else None
         try:
             entry["ttft"] = {"max_concurrency": 1, "by_length": []}
             for i, n in enumerate(lengths):
                 log(f"   TTFT {n} tokens x {args.reps}")
-                res = bench(srv, model, args.reps, n, 16, 1, 1 if i == 0 else 0, extra)
+                res = bench(srv, model, args.reps, n, 16, 1, 1 if i == 0 else 0)
                 entry["ttft"]["by_length"].append(summarize_ttft(res, n))
                 write_json(out, report)
             log("   throughput: 4 x 2048 tokens, max concurrency 4")
-            res = bench(srv, model, 4, 2048, 32, 4, 0, extra)
+            res = bench(srv, model, 4, 2048, 32, 4, 0)
             entry["throughput"] = {k: res.get(k) for k in KEEP} | {"client_argv": res["client_argv"],
                                                                    "max_concurrency": 4}  # fmt: skip
             write_json(out, report)
@@ -254,8 +246,8 @@ BEGIN, END = "<!-- cpu-serving:begin -->", "<!-- cpu-serving:end -->"
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="demo model folder (default: fetched/cached by elastic-vllm fetch-model)")
-    p.add_argument("--router", help="router folder for the elastic server (default: a random untrained router)")
-    p.add_argument("--share", default="0.75", help="fixed Omega_MSR per request (elastic_target_omega), or 'auto'")
+    p.add_argument("--router", help="with --share auto: router folder for elastic (default: the shipped router)")
+    p.add_argument("--share", default="0.75", help="SA share of the fixed-share router (whole layers), or 'auto'")
     p.add_argument("--lengths", default="2048,4096,7936", help="prompt lengths of the TTFT run (tokens)")
     p.add_argument("--reps", type=int, default=1, help="prompts per length in the TTFT run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu-serving.json"))

@@ -8,16 +8,20 @@
 
 Models: Llama-3.1-8B and Qwen3-8B shapes with dummy weights (``load_format="dummy"``, config.json
 written to a temp folder, prompt token ids, no tokenizer), bf16; and the real demo model
-(SmolLM2-135M-Instruct) for the router's own decisions. Elastic runs fix the share of SA heads per request
-(``vllm_xargs.elastic_target_omega``: the same number of SA heads in every layer, ranked by the router): the router
-runs (an untrained random router is loaded for the 8B shapes), so its cost is in every number. Results before this
-used ``elastic_sa_share`` (the same per-layer counts, fixed heads), which the plugin no longer accepts.
+(SmolLM2-135M-Instruct) for the router's own decisions. Each fixed share of SA heads (Omega_MSR 0.75, 0.5) runs on
+its own engine, which loads a fixed-share router (``serve_bench.fixed_share_router``: the first round((1 - share) x L)
+layers FA, the rest SA, whatever the input; Omega_MSR = round(share x L) / L): the requests carry no share, so they are
+routed by the fused router path as in serving and its cost is in every number (a per-request
+``elastic_target_omega`` would take the router's slower torch glue path). Tasks without a share run on the job's
+own engine: the demo model's trained router, or an untrained random one for the 8B shapes. Results before this fixed
+the share per request (``elastic_target_omega``: the same number of SA heads in every layer, ranked by an untrained
+router; earlier ``elastic_sa_share``, fixed heads) with the same labels.
 
 Engine (same for every backend): prefix caching off, chunked prefill with a 16384-token budget (vLLM's
 offline default on H200; the ``vllm serve`` default 8192 is measured by lowering the scheduler's budget
 of the same engine), ``compilation mode NONE`` + ``cudagraph_mode FULL_DECODE_ONLY`` (prefill steps run
 eagerly, as with enforce_eager; pure decode steps replay full CUDA graphs; no inductor
-compile at startup), one engine per (model, backend, config) reused across lengths.
+compile at startup), one engine per (model, backend, config, share) reused across lengths.
 
 TTFT: one request, wall time from ``add_request`` to the step that returns its first token, median of 3.
 Decode: B requests of context L prefilled, then ``ms per step = elapsed / tokens generated per request``
@@ -26,8 +30,12 @@ sparse are measured on the same requests, switching ``EngineState.cfg.decode_mod
 the two runs (decode_mode is read by every step's plan, nothing else depends on it).
 
 Each engine runs in its own subprocess (a crash loses only its own rows) with the engine
-in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Every job asked for runs all its tasks, in order
-(``--jobs`` / ``--kinds`` / ``--min-prio`` pick them); the whole GPU plan takes longer than one device call, so a
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0). A job is one engine: the plan's elastic jobs are split by share
+(``by_share``: ``llama8b-elastic`` -> ``llama8b-elastic-share0.75``, ``llama8b-elastic-share0.5``; the tasks
+without a share keep the job's name), so a share's tasks run after the previous share's, whatever their priority,
+and each share pays an engine start. Every job asked for runs all its tasks, in order
+(``--jobs`` / ``--kinds`` / ``--min-prio`` pick them; ``--jobs`` matches substrings, so ``llama8b-elastic`` picks
+every share); the whole GPU plan takes longer than one device call, so a
 session runs it over several calls by job (``tools/gpu_session.sh e2e`` with E2E_JOBS) and joins the files with
 ``--merge``. The JSON is rewritten after every measurement, so a run cut short keeps what it measured.
 """
@@ -66,8 +74,8 @@ QWEN3_8B = {
     "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
     "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
 }  # fmt: skip
-TINY = {  # --cpu-dry stand-ins (same architectures, tiny)
-    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+TINY = {  # --cpu-dry stand-ins (same architectures, tiny; 4 layers: Omega_MSR 0.75 and 0.5 are whole layers)
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048,
 }  # fmt: skip
 SHAPES = {"llama-3.1-8b": LLAMA_8B, "qwen3-8b": QWEN3_8B}
@@ -92,7 +100,23 @@ def _decode(prio, ctx, batch, share=None, modes=None, steps=48):
 def _job(name, model, backend, tasks, max_model_len, graphs=True, max_num_seqs=16, extra=None, block_size=None):
     return {"name": name, "model": model, "backend": backend, "mode": "FA-SSA", "tasks": tasks,
             "max_model_len": max_model_len, "graphs": graphs, "max_num_seqs": max_num_seqs,
-            "elastic": extra or {}, "block_size": block_size}  # fmt: skip
+            "elastic": extra or {}, "block_size": block_size, "share": None}  # fmt: skip
+
+
+def by_share(jobs: list[dict]) -> list[dict]:
+    """One engine per share: an elastic job becomes one job per share of its tasks (in the order they first
+    appear), each with its tasks in plan order. A share's job (``<name>-share<s>``) loads the fixed-share router
+    of that share; the tasks without a share (the router's own decisions, ``force``) keep the job's name and
+    router."""
+    out = []
+    for j in jobs:
+        if j["backend"] != "elastic":
+            out.append(j)
+            continue
+        for s in dict.fromkeys(t["share"] for t in j["tasks"]):
+            name = j["name"] if s is None else f"{j['name']}-share{s}"
+            out.append({**j, "name": name, "share": s, "tasks": [t for t in j["tasks"] if t["share"] == s]})
+    return out
 
 
 def demo_tasks(prio: int, lens, reps: int = 3) -> list[dict]:
@@ -137,7 +161,7 @@ def gpu_plan() -> list[dict]:
     qdec = [_decode(7.5, 32 * K, 16), _decode(7.5, 128 * K, 4)]
     qdec_el = [_decode(7, c, b, 0.75, ["dense", "sparse"]) for c, b in ((32 * K, 16), (128 * K, 4))]
     big = 256 * K + MARGIN
-    return [
+    jobs = [
         _job("llama8b-flash", L8, "FLASH_ATTN", fa, mml),
         # block size 16 set explicitly: vLLM's default, what the committed rows without "block 128" ran at (the
         # elastic backend itself asks for 128 on CUDA: the bs128 job is that default)
@@ -160,6 +184,7 @@ def gpu_plan() -> list[dict]:
             "llama8b-256k-elastic", L8, "elastic", [_ttft(8, 256 * K, 0.75, reps=1)], big, graphs=False, block_size=16
         ),
     ]
+    return by_share(jobs)
 
 
 def dry_plan(has_demo: bool) -> list[dict]:
@@ -182,7 +207,7 @@ def dry_plan(has_demo: bool) -> list[dict]:
             _job("demo-cpu-attn", DEMO, "CPU_ATTN", [_ttft(4, 300, reps=1)], 1024, graphs=False),
             _job("demo-elastic", DEMO, "elastic", demo_tasks(4, [300], reps=1), 1024, graphs=False, extra=w),
         ]
-    return jobs
+    return by_share(jobs)
 
 
 # ============================================================================ parent
@@ -374,8 +399,8 @@ def write_model_dir(spec: dict, work: Path) -> Path:
 
 
 def make_router(spec: dict, shape, work: Path, backbone_id: str) -> Path:
-    """An untrained router (seeded) for a shape without a trained one: it ranks the heads of the fixed share
-    (``elastic_target_omega``) and is there so that the router's cost is paid as in serving."""
+    """An untrained router (seeded) for the tasks without a share on a shape without a trained one (the 8B
+    shapes, the demo model without a shipped router): its own decisions, timing only."""
     import torch
 
     from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
@@ -485,16 +510,13 @@ class Engine:
         self.n = 0
         self.live: set[str] = set()
 
-    def params(self, max_tokens: int, share=None, force=None):
+    def params(self, max_tokens: int, force=None):
+        """No per-request share: a share's engine loads its fixed-share router (``by_share``)."""
         from vllm import SamplingParams
 
-        extra = {}
-        if share is not None:
-            extra["elastic_target_omega"] = share
-        if force is not None:
-            extra["elastic_force"] = force
+        extra = {"elastic_force": force} if force is not None else None
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
-                              extra_args=extra or None)  # fmt: skip
+                              extra_args=extra)  # fmt: skip
 
     def add(self, ids: list[int], params) -> str:
         self.n += 1
@@ -521,9 +543,9 @@ class Engine:
         while self.engine.has_unfinished_requests() and time.time() - t < 60:
             self.engine.step()
 
-    def ttft(self, ids: list[int], share=None, force=None) -> float:
+    def ttft(self, ids: list[int], force=None) -> float:
         t = time.perf_counter()
-        rid = self.add(ids, self.params(1, share, force))
+        rid = self.add(ids, self.params(1, force))
         while self.step().get(rid, 0) < 1:
             pass
         dt = time.perf_counter() - t
@@ -590,7 +612,7 @@ def run_ttft(eng: Engine, spec: dict, t: dict, text_ids) -> dict:
         reps, msr, esr, router = [], [], [], []
         for i in range(t["reps"]):
             ids = prompt_ids(spec, t["len"], i + 1, text_ids)
-            reps.append(eng.ttft(ids, t["share"], t["force"]))
+            reps.append(eng.ttft(ids, t["force"]))
             if spec["backend"] == "elastic":
                 ev = last_event(f"r{eng.n}")
                 if ev is not None:
@@ -610,11 +632,11 @@ def run_ttft(eng: Engine, spec: dict, t: dict, text_ids) -> dict:
     if msr:
         rec.update(omega_msr=msr, omega_esr=esr, router_final_step_s=router)
     if t.get("profile"):
-        rec["profile"] = profile_ttft(eng, prompt_ids(spec, t["len"], 99, text_ids), t["share"], t["force"])
+        rec["profile"] = profile_ttft(eng, prompt_ids(spec, t["len"], 99, text_ids), t["force"])
     return rec
 
 
-def profile_ttft(eng: Engine, ids: list[int], share, force, top: int = 14) -> dict:
+def profile_ttft(eng: Engine, ids: list[int], force, top: int = 14) -> dict:
     """One more request of the same length under torch.profiler (not in the median): wall time, GPU
     busy time (union of kernel intervals: wall - busy = the GPU waiting for the host), kernel time by
     kernel, and the host ops that launched most (the per-layer glue shows up there)."""
@@ -623,7 +645,7 @@ def profile_ttft(eng: Engine, ids: list[int], share, force, top: int = 14) -> di
 
     cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        wall = eng.ttft(ids, share, force)
+        wall = eng.ttft(ids, force)
         if cuda:
             torch.cuda.synchronize()
     spans, by_kernel = [], {}
@@ -658,7 +680,7 @@ def run_decode(eng: Engine, spec: dict, t: dict) -> list[dict]:
     warm = 4
     max_tokens = 64 + len(modes) * (steps + warm + 8)  # + tokens decoded while later requests prefill
     t0 = time.perf_counter()
-    rids = [eng.add(prompt_ids(spec, L, 100 + b, None), eng.params(max_tokens, t["share"])) for b in range(B)]
+    rids = [eng.add(prompt_ids(spec, L, 100 + b, None), eng.params(max_tokens)) for b in range(B)]
     counts: dict[str, int] = {}
     while len([r for r in rids if counts.get(r, 0) >= 1]) < B:
         counts.update(eng.step())
@@ -707,21 +729,29 @@ def worker(spec_path: str) -> int:
     env = {**versions(("torch", "triton", "vllm")), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     emit(spec, {"type": "env", "env": env, "import_s": round(time.time() - t_start, 1)})
 
+    wrong = [t for t in spec["tasks"] if t["share"] != spec.get("share")]
+    if wrong:  # a share is the engine's (its router's), never a request's
+        raise ValueError(f"job {spec['name']} (share {spec.get('share')}) has tasks of another share: {wrong}")
     text_ids, router, router_note = None, None, None
     if spec["model"] == DEMO:
         model_dir = Path(spec["demo_model"])
         text_ids = demo_text_ids(model_dir)
-        if spec["backend"] == "elastic":
-            router, router_note = demo_router(spec, model_dir, work)
     else:
         model_dir = write_model_dir(spec, work)
-        if spec["backend"] == "elastic":
-            from elastic_vllm.router.checkpoint import BackboneShape
+    if spec["backend"] == "elastic" and spec.get("share") is not None:
+        from serve_bench import fixed_share_router  # here, not at the top: serve_bench imports this module
 
-            cfg = json.loads((model_dir / "config.json").read_text())
-            shape = BackboneShape(num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg["num_key_value_heads"],
-                                  head_dim=cfg["head_dim"])  # fmt: skip
-            router, router_note = str(make_router(spec, shape, work, spec["model"])), "random untrained (timing)"
+        router = str(fixed_share_router(model_dir, work / spec["name"], spec["share"]))
+        router_note = f"fixed share {spec['share']} (serve_bench.fixed_share_router: whole layers SA)"
+    elif spec["backend"] == "elastic" and spec["model"] == DEMO:
+        router, router_note = demo_router(spec, model_dir, work)
+    elif spec["backend"] == "elastic":
+        from elastic_vllm.router.checkpoint import BackboneShape
+
+        cfg = json.loads((model_dir / "config.json").read_text())
+        shape = BackboneShape(num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg["num_key_value_heads"],
+                              head_dim=cfg["head_dim"])  # fmt: skip
+        router, router_note = str(make_router(spec, shape, work, spec["model"])), "random untrained (timing)"
     spec["vocab"] = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     kw = engine_kwargs(spec, model_dir, router)
     from vllm import LLM
@@ -732,10 +762,9 @@ def worker(spec_path: str) -> int:
     t_ready = time.time()
     # warm-up: JIT-compiled kernels (elastic's Triton kernels, the router) and one decode step
     warm_len = 256 if spec["dry"] else 4096
-    for share in [0.75, None] if spec["backend"] == "elastic" and spec["model"] != DEMO else [None]:
-        eng.add(prompt_ids(spec, warm_len, 0, text_ids), eng.params(3, share))
-        while eng.engine.has_unfinished_requests():
-            eng.step()
+    eng.add(prompt_ids(spec, warm_len, 0, text_ids), eng.params(3))
+    while eng.engine.has_unfinished_requests():
+        eng.step()
     emit(spec, {"type": "ready", "startup_s": round(time.time() - t_start, 1),
                 "engine_init_s": round(t_ready - t, 1), "warmup_s": round(time.time() - t_ready, 1),
                 "router": router_note, "engine_kwargs": {k: v for k, v in kw.items() if k != "model"},

@@ -99,7 +99,7 @@ def fixed_share_router(model_dir: Path, work: Path, share: float) -> Path:
             last.weight.zero_()
             last.bias.copy_(torch.tensor([0.0, 8.0] if i < n_fa else [8.0, 0.0]))  # index 1 = FA
     meta = RouterMeta(
-        backbone=BackboneMeta(**shape.model_dump(), id="llama-3.1-8b-shape", model_type="llama"),
+        backbone=BackboneMeta(**shape.model_dump(), id=model_dir.name, model_type=cfg.get("model_type", "unknown")),
         training={"note": f"fixed-share router (benchmarks/serve_bench.py): Omega_MSR {share}, whole layers SA"},
     )
     return save_router(r, work / f"router-share-{share}", meta)

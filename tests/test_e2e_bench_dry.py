@@ -138,15 +138,42 @@ def test_select_keeps_the_rows_a_later_session_adds(e2e):
     got = {(j["name"], t["len"], t["share"], t["mode"], t["budget_tokens"]) for j in jobs for t in j["tasks"]}
     K = 1024
     want = {("llama8b-flash", L, None, None, 8192) for L in (32 * K, 128 * K)}
-    want |= {("llama8b-elastic", L, 0.75, None, 8192) for L in (32 * K, 128 * K)}
-    want |= {("llama8b-elastic-bs128", L, 0.75, m, None) for L in (32 * K, 128 * K) for m in ("FA-XA", "XA-SSA")}
+    el, el128 = "llama8b-elastic-share0.75", "llama8b-elastic-bs128-share0.75"  # one engine per share
+    want |= {(el, L, 0.75, None, 8192) for L in (32 * K, 128 * K)}
+    want |= {(el128, L, 0.75, m, None) for L in (32 * K, 128 * K) for m in ("FA-XA", "XA-SSA")}
     assert got == want
-    assert [j["name"] for j in jobs] == ["llama8b-flash", "llama8b-elastic", "llama8b-elastic-bs128"]
+    assert [j["name"] for j in jobs] == ["llama8b-flash", el, el128]
     everything = e2e.gpu_plan()
     assert e2e.select(everything, None, None, None) == everything
     assert all(t["kind"] == "decode" for j in e2e.select(everything, None, "decode", None) for t in j["tasks"])
     with pytest.raises(SystemExit, match="unknown kind"):
         e2e.select(everything, None, "prefill", None)
+
+
+def test_each_share_runs_on_its_own_engine(e2e):
+    """The plans split every elastic job by share: one job (one engine, its fixed-share router) per share, the tasks
+    without a share (the router's own decisions, all-FA) in the job of the original name; no task lost or moved to
+    another model / config, and no request carries a share."""
+    for plan in (e2e.gpu_plan(), e2e.dry_plan(True)):
+        names = [j["name"] for j in plan]
+        assert len(names) == len(set(names))
+        for j in plan:
+            assert all(t["share"] == j["share"] for t in j["tasks"]), j["name"]
+            if j["backend"] != "elastic":
+                assert j["share"] is None
+            elif j["share"] is not None:
+                assert j["name"].endswith(f"-share{j['share']}")
+    jobs = {j["name"]: j for j in e2e.gpu_plan()}
+    el = [n for n in jobs if n.startswith("llama8b-elastic-share")]
+    assert el == ["llama8b-elastic-share0.75", "llama8b-elastic-share0.5"]
+    assert {j["block_size"] for n, j in jobs.items() if n.startswith("llama8b-elastic-bs128")} == {128}
+    assert jobs["demo-elastic"]["share"] is None and any(t["force"] for t in jobs["demo-elastic"]["tasks"])
+    dry = {j["name"]: j for j in e2e.dry_plan(False)}
+    assert [n for n in dry if n.startswith("llama8b-elastic")] == [
+        "llama8b-elastic-share0.75", "llama8b-elastic-share0.5", "llama8b-elastic"]  # fmt: skip
+    assert [t["mode"] for t in dry["llama8b-elastic"]["tasks"]] == ["FA-XA"]  # the random router's own decisions
+    p = e2e.Engine.params(None, 1)
+    assert not p.extra_args  # no elastic_target_omega (nor anything else) per request
 
 
 def test_report_writes_markdown_plots_and_readme_section(e2e, tmp_path):
@@ -178,9 +205,10 @@ def e2e_summary_rows(d: dict) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_cpu_dry_run_end_to_end(tmp_path):
-    """Real vLLM CPU engines (one subprocess each): fixed shares reach the engine (Omega_MSR exact),
-    decode dense/sparse switch, lowered token budget, in-process mode switch, JSON with the run's record."""
+def test_cpu_dry_run_end_to_end(e2e, tmp_path):
+    """Real vLLM CPU engines (one subprocess each): each share's engine with its fixed-share router realizes
+    Omega_MSR = round(share x L) / L on every request, decode dense/sparse switch, lowered token budget, in-process
+    mode switch, JSON with the run's record."""
     out = tmp_path / "e2e.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu-dry", "--out", str(out), "--jobs", "llama8b-elastic"],
@@ -190,23 +218,29 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     d = json.loads(out.read_text())
     assert d["errors"] == [], d["errors"]
     assert d["env"]["vllm"] and d["cpu_dry"] and d["command"] and d["git_commit"] != "unknown"
-    assert [j["name"] for j in d["jobs"]] == ["llama8b-elastic"] and d["skipped"] == []
+    names = ["llama8b-elastic-share0.75", "llama8b-elastic-share0.5", "llama8b-elastic"]
+    assert [j["name"] for j in d["jobs"]] == names and d["skipped"] == []
     rows = {(r["variant"], r["len"], r["budget_tokens"]): r for r in d["ttft"]}
+    layers = e2e.TINY["num_hidden_layers"]
     for share in (0.75, 0.5):
         r = rows[(f"elastic FA-SSA share {share}", 512, 256)]
-        assert set(r["omega_msr"]) == {share} and len(r["reps_s"]) == r.get("reps", len(r["reps_s"]))
+        assert r["job"] == f"llama8b-elastic-share{share}" and r["share"] == share
+        assert set(r["omega_msr"]) == {round(share * layers) / layers} == {share}  # 4 layers: 3 or 2 of them SA
+        assert len(r["reps_s"]) == r.get("reps", len(r["reps_s"]))
     assert ("elastic FA-SSA share 0.75", 512, 128) in rows  # the serve-default budget path
     xa = rows[("elastic FA-XA auto", 256, 256)]
     assert xa["mode"] == "FA-XA" and xa["mode_switch"] == "in-process"
     xs = rows[("elastic XA-SSA share 0.75", 256, 256)]  # a fixed share in an XA mode (the 8B jobs' XA rows)
-    assert xs["mode"] == "XA-SSA" and set(xs["omega_msr"]) == {0.75}
+    assert xs["mode"] == "XA-SSA" and set(xs["omega_msr"]) == {round(0.75 * layers) / layers}
     dec = {r["decode_mode"]: r for r in d["decode"]}
     assert set(dec) == {"dense", "sparse"} and all(min(r["tokens_per_request"]) >= 4 for r in dec.values())
     prof = rows[("elastic profiled", 256, 256)]["profile"]
     assert prof["wall_s"] > 0 and prof["most_called_host_ops"] and prof["kernel_launches"] == 0  # no GPU here
     assert all(r["variant"] != "elastic profiled" for r in e2e_summary_rows(d))  # diagnostics, not a result
-    job = next(j for j in d["jobs"] if j["name"] == "llama8b-elastic")
-    assert job["status"] == "done" and job["router"].startswith("random")
+    jobs = {j["name"]: j for j in d["jobs"]}
+    assert all(j["status"] == "done" for j in jobs.values())
+    assert jobs["llama8b-elastic"]["router"].startswith("random")  # the tasks without a share: its own decisions
+    assert jobs["llama8b-elastic-share0.5"]["router"].startswith("fixed share 0.5")
 
 
 def test_cpu_serving_report_of_the_committed_run(tmp_path):
