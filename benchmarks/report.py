@@ -29,8 +29,8 @@ def load(rel: str) -> dict:
 
 
 def fixed_omega(elastic: dict):
-    """The fixed Omega_MSR of a cpu_serving run: ``target_omega`` (sent as elastic_target_omega), or ``sa_share`` in
-    results measured with the retired elastic_sa_share (the committed cpu-serving.json)."""
+    """The fixed Omega_MSR of a cpu_serving run: ``target_omega`` (realized by its fixed-share router), or
+    ``sa_share`` in results measured with the retired elastic_sa_share (the committed cpu-serving.json)."""
     return elastic["target_omega"] if "target_omega" in elastic else elastic["sa_share"]
 
 
