@@ -18,6 +18,10 @@ window edge, sink edge) apply the token-exact mask. SSA programs therefore finis
 launched first, heaviest query tile first, then the SSA programs fill the tail; so the long
 programs start in waves that walk K/V in step (shared through L2) instead of staggered.
 
+With ``skip_fa`` the FA programs return at once: the vLLM backend runs long prompts' FA heads on vLLM's
+FlashAttention 3 (its tiles run at ~1.24x this kernel's rate on the H200: 13.3 vs 16.6 ms, 32K dense,
+``benchmarks/results/kernels-prefill-fa3-h200.json``) and this kernel only their SSA / XA heads.
+
 XA metadata (see ``xattn_select``): for request b, KV head h and query block A (absolute
 block = position // xattn_block) the selected key blocks are::
 
@@ -289,6 +293,7 @@ def _prefill_kernel(
     XA_BLOCK: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    SKIP_FA: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     # requests in reverse order of their tile ranges (request b owns query tiles [start_b, start_{b+1}),
@@ -321,6 +326,9 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens + i_b)
     ctx = seq_len - q_len  # positions of this step's queries: ctx .. seq_len-1
     mode = tl.load(head_modes + i_row * s_hm0 + i_h * s_hm1).to(tl.int32)
+    if SKIP_FA:
+        if mode == 0:  # written by vLLM's FlashAttention (``skip_fa``)
+            return
 
     o_m = tl.arange(0, BLOCK_M)
     o_tok = i_tl * BLOCK_Q + o_m // G  # [BM] query index inside the request
@@ -416,6 +424,7 @@ def prefill_attention(
     xa_block_idx: torch.Tensor | None = None,
     xa_block_cnt: torch.Tensor | None = None,
     xattn_block: int = 128,
+    skip_fa: bool = False,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -437,6 +446,8 @@ def prefill_attention(
         xa_block_idx: [B, Hkv, max_q_blocks, max_k_blocks] int32 and xa_block_cnt
             [B, Hkv, max_q_blocks] int32, the XA selection (format in the module docstring,
             produced by ``xattn_select``). Without them, XA heads run as FA.
+        skip_fa: leave the output of FA heads (mode 0) unwritten: another kernel computes them
+            (``elastic_vllm.vllm_plugin.ops``: vLLM's FlashAttention, one call per KV head).
         out: optional [T, Hq, D] output (written in place).
         block_m, block_n, num_warps, num_stages: tuning overrides.
 
@@ -521,7 +532,7 @@ def prefill_attention(
         G=g, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn, BS=bs, HEAD_DIM=d, BLOCK_D=max(next_pow2(d), 16),
         TILE_IN_BLOCK=bs % bn == 0, HAS_SLOTS=head_mode_slots is not None, HAS_XA=has_xa,
         XA_BLOCK=xattn_block, DOT_PREC=dot_precision(q.dtype),
-        BLOCK_H=max(next_pow2(hkv), 2),
+        BLOCK_H=max(next_pow2(hkv), 2), SKIP_FA=skip_fa,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
     _prefill_kernel[grid](*args, **meta)

@@ -174,3 +174,94 @@ def test_warmup_routes_both_router_variants():
     per_row = [rb.biases is not None for rb in batches]
     assert sorted(per_row) == [False, True], per_row
     assert not any(rb.needs_glue for rb in batches)  # both through the fused kernel, not the torch glue
+
+
+# --- FA heads of hybrid steps on the dense kernel (ops.fa_heads_attention) --------------------------------------
+def _fa3_like(calls):
+    """The dense kernel's contract as FlashAttention keeps it: full causal attention of the rows that have keys
+    (``seq_lens`` is the per-head key count), and for a row with 0 keys an output the caller must overwrite
+    (here 1e4, so a row left as written fails the comparison)."""
+
+    def fn(q, key_cache, value_cache, out, qsl, seq_lens, block_table, max_q, max_s, scale):
+        calls.append((q.shape[1], key_cache.shape[2], seq_lens.tolist()))
+        ref = _paged_fa(q, key_cache, value_cache, torch.empty_like(q), qsl, seq_lens, block_table, max_q, max_s,
+                        scale)  # fmt: skip
+        rows = torch.repeat_interleave(seq_lens > 0, qsl.diff().long())
+        out.copy_(torch.where(rows[:, None, None], ref, torch.full_like(ref, 1e4)))
+        return out
+
+    return fn
+
+
+@pytest.mark.parametrize("mode", ["FA-SSA", "FA-XA"])
+def test_fa_heads_split_equals_the_hybrid_kernel(mode):
+    """A mixed step (a decode row, chunked and whole prompt rows) with the prompt rows' FA heads on a dense
+    kernel and the rest on the hybrid prefill (``skip_fa``) equals the hybrid kernels alone, and the dense kernel
+    is called once per KV head with G query heads, key counts 0 where that head is not FA. The real kernel
+    (vLLM's FA3) is checked by the engine's warm-up on every start and by tests/gpu/check_kernels.py."""
+    from elastic_vllm.vllm_plugin.ops import triton_attention
+
+    g = torch.Generator().manual_seed(29)
+    seq, q_lens = [60, 90, 41], [1, 30, 41]
+    b = make_paged_batch(seq, q_lens, 4, 2, 16, generator=g)
+    sa = SSA if mode == "FA-SSA" else XA
+    modes = torch.tensor([[FA, sa], [sa, FA], [FA, FA]], dtype=torch.int32)
+    p = AttnParams(scale=16**-0.5, sink=4, window=16, xattn_stride=4, xattn_block=16, xattn_threshold=0.9)
+    args = (b.block_table, b.query_start_loc, b.seq_lens, modes, p)
+    tail = (1, 1, max(q_lens), max(seq), mode == "FA-XA", b.query_start_loc[1:] - 1)
+    ref = torch.full_like(b.q, float("nan"))
+    triton_attention(b.q, b.key_cache, b.value_cache, *args, ref, *tail)
+    calls = []
+    got = torch.full_like(b.q, float("nan"))
+    triton_attention(b.q, b.key_cache, b.value_cache, *args, got, *tail, _fa3_like(calls))
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    assert calls == [(2, 1, [0, 41]), (2, 1, [90, 41])]  # prompt rows only; head 0 is FA in row 2 only
+
+
+def test_warm_up_admits_the_split_only_when_it_agrees(monkeypatch):
+    """The warm-up admits the FA-heads split with a correct dense kernel and refuses it, naming why, with one
+    that is right on whole rows (the all-FA check admits it) but rejects rows of 0 keys."""
+    monkeypatch.setattr(warmup, "PROMPT_LENS", (40, 9))
+    monkeypatch.setattr(warmup, "DECODE_LEN", 20)
+    p = AttnParams(scale=0.0, sink=4, window=16, xattn_stride=4, xattn_block=16, xattn_threshold=0.9)
+
+    def state(cfg):
+        return SimpleNamespace(
+            device=torch.device("cpu"), block_size=16, num_kv_heads=2, cfg=cfg, params=p, router=None,
+            kernel_router=None, dense_attention=None, fa_heads_attention=None,
+        )  # fmt: skip
+
+    good = _fa3_like([])
+    monkeypatch.setattr(compat, "flash_attn_dense", lambda dtype, d: (good, "test kernel"))
+    st = state(ElasticConfig(sink=4, window=16))
+    rep = warmup.warm_up(st, torch.float32, 4, 16)
+    assert st.fa_heads_attention is good and rep["fa_split"] and rep["fa_split_rel_err"] < 1e-5
+
+    def no_empty_rows(q, key_cache, value_cache, out, qsl, seq_lens, *a):  # right on whole rows only
+        if not bool((seq_lens > 0).all()):
+            raise RuntimeError("seqused_k must be positive")
+        return _paged_fa(q, key_cache, value_cache, out, qsl, seq_lens, *a)
+
+    monkeypatch.setattr(compat, "flash_attn_dense", lambda dtype, d: (no_empty_rows, "test kernel"))
+    st = state(ElasticConfig(sink=4, window=16))
+    rep = warmup.warm_up(st, torch.float32, 4, 16)
+    assert st.dense_attention is no_empty_rows and st.fa_heads_attention is None
+    assert "seqused_k must be positive" in rep["fa_split_reason"]
+
+    st = state(ElasticConfig(sink=4, window=16, mode="XA-SSA"))  # no FA heads: nothing to split
+    monkeypatch.setattr(compat, "flash_attn_dense", lambda dtype, d: (good, "test kernel"))
+    rep = warmup.warm_up(st, torch.float32, 4, 16)
+    assert st.fa_heads_attention is None and rep["fa_split"] is None
+
+
+def test_dense_reference_writes_zero_for_rows_without_keys():
+    g = torch.Generator().manual_seed(31)
+    b = make_paged_batch([40, 20], [10, 20], 4, 2, 16, generator=g)
+    out = torch.full_like(b.q, float("nan"))
+    _paged_fa(b.q, b.key_cache, b.value_cache, out, b.query_start_loc, torch.tensor([40, 0], dtype=torch.int32),
+              b.block_table, 20, 40, 0.25)  # fmt: skip
+    assert out[10:].eq(0).all()
+    whole = _paged_fa(b.q, b.key_cache, b.value_cache, torch.empty_like(b.q), b.query_start_loc, b.seq_lens,
+                      b.block_table, 20, 40, 0.25)  # fmt: skip
+    torch.testing.assert_close(out[:10], whole[:10], atol=0, rtol=0)

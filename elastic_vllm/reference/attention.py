@@ -136,9 +136,12 @@ def write_paged(
 def dense_paged_attention(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, max_query_len,
                           max_seq_len, scale):  # fmt: skip
     """Full causal attention with the call signature of the backend's dense kernel (``compat.flash_attn_dense``):
-    the reference with every head FA, written into ``out``. Stands in for vLLM's FlashAttention where there is
-    none (the CPU tests of the dense dispatch)."""
+    the reference with every head FA, written into ``out``; a row of 0 keys gets 0, as FlashAttention writes.
+    Stands in for vLLM's FlashAttention where there is none (the CPU tests of the dense dispatch)."""
     modes = torch.zeros(seq_lens.shape[0], key_cache.shape[2], dtype=torch.int8, device=q.device)
-    o = hybrid_attention_ref(q, key_cache, value_cache, block_table, query_start_loc, seq_lens, modes, 0, 1 << 30,
-                             scale=scale)  # fmt: skip
-    return out.copy_(o)
+    live = seq_lens > 0
+    q_lens = query_start_loc.diff()
+    o = hybrid_attention_ref(q, key_cache, value_cache, block_table, query_start_loc,
+                             torch.where(live, seq_lens, q_lens), modes, 0, 1 << 30, scale=scale)  # fmt: skip
+    rows = torch.repeat_interleave(live, q_lens.long(), output_size=q.shape[0])
+    return out.copy_(torch.where(rows[:, None, None], o, torch.zeros_like(o)))

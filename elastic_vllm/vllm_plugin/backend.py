@@ -103,6 +103,7 @@ class ElasticMetadata:
     prefill_query_start_loc: torch.Tensor | None = None  # [B - num_decodes + 1] (Triton path, mixed steps)
     causal: bool = True
     dense: bool = False  # every head of every row is FA: state.dense_attention (vLLM's FlashAttention) runs it
+    fa_split: bool = False  # prompt rows' FA heads on state.fa_heads_attention, the other heads on the elastic kernel
 
 
 class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
@@ -161,6 +162,7 @@ class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
             state=self.state,
             prefill_query_start_loc=prefill_qsl,
             dense=plan.dense,
+            fa_split=plan.fa_split,
         )
 
 
@@ -272,6 +274,7 @@ class ElasticAttentionImpl(compat.AttentionImpl[ElasticMetadata]):
                 md.max_seq_len,
                 st.cfg.uses_xattn,
                 md.prefill_query_start_loc,
+                st.fa_heads_attention if md.fa_split else None,
             )
         observe.COUNTERS.forward_calls += 1
         return output

@@ -70,6 +70,7 @@ class Counters:
     mixed_steps: int = 0  # steps whose batch mixed rows with a final routing (decodes) and rows routed now
     fused_route_layers: int = 0  # (layer, step) routings whose tables the router kernel wrote itself
     dense_steps: int = 0  # steps whose every head was full attention, run by vLLM's FlashAttention kernel
+    fa_split_steps: int = 0  # hybrid prompt steps whose FA heads ran on vLLM's FlashAttention kernel
     nonfinite_router_heads: int = 0  # (request, layer, KV head) final decisions with NaN / inf logits: sent to FA
     _published: dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -155,6 +156,10 @@ STEP_METRICS = {
         "Request rows the elastic router ran for (final and prefix-chunk routings).",
     ),
     "dense_steps": ("elastic:dense_steps", "Steps whose every head was full attention, run by vLLM's FlashAttention."),
+    "fa_split_steps": (
+        "elastic:fa_split_steps",
+        "Hybrid prompt steps whose FA heads ran on vLLM's FlashAttention (the other heads on the elastic kernel).",
+    ),
     "nonfinite_router_heads": (
         "elastic:router_nonfinite_heads",
         "KV-head decisions whose router logits were NaN / inf (run as FA).",

@@ -49,6 +49,9 @@ class AttnParams:
 
 # (row, kv_head, first query position, last query position + 1, block mask [nb, nb]) of an XA head
 XaSink = Callable[[int, int, int, int, torch.Tensor], None]
+# a dense varlen kernel over the paged cache, compat.flash_attn_dense's signature:
+# fn(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, max_query_len, max_seq_len, scale)
+DenseFn = Callable[..., torch.Tensor]
 
 
 def resolve_ops(requested: str | None, device: torch.device) -> str:
@@ -205,12 +208,16 @@ def triton_attention(
     max_seq_len: int,
     uses_xattn: bool = False,
     prefill_query_start_loc: torch.Tensor | None = None,
+    fa_heads: DenseFn | None = None,
 ) -> torch.Tensor:
     """Single-token rows (the first ``num_decodes``: the builder has vLLM put them first) go to the
     split-KV decode kernel (``decode.decode_attention``; XA heads read every key there), the other
     rows to the one-launch hybrid prefill (``prefill.prefill_attention``), with XAttention block
     selection (``xattn_select.xattn_select``) first when the mode has XA heads. No host sync: every
-    argument is a device tensor or a host int fixed at build time (CUDA-graph safe for decodes)."""
+    argument is a device tensor or a host int fixed at build time (CUDA-graph safe for decodes).
+
+    ``fa_heads`` (vLLM's FlashAttention, ``compat.flash_attn_dense``): the prompt rows' FA heads run
+    through it instead, see :func:`fa_heads_attention`; the hybrid prefill then runs the other heads."""
     prefill, decode, xsel = triton_kernels()
     B = seq_lens.shape[0]
     if num_decodes:
@@ -240,8 +247,47 @@ def triton_attention(
                 qp, key_cache, bt, qsl, sl, hm, max_q_blocks=mq, max_k_blocks=mk,
                 stride=p.xattn_stride, block=p.xattn_block, threshold=p.xattn_threshold, scale=p.scale,
             )  # fmt: skip
+        op = out[num_decode_tokens:]
+        if fa_heads is not None:
+            fa_heads_attention(fa_heads, qp, key_cache, value_cache, op, qsl, sl, bt, hm, max_query_len,
+                               max_seq_len, p.scale)  # fmt: skip
         prefill.prefill_attention(
             qp, key_cache, value_cache, bt, qsl, sl, hm, sink=p.sink, window=p.window, scale=p.scale,
-            out=out[num_decode_tokens:], xa_block_idx=xa_idx, xa_block_cnt=xa_cnt, xattn_block=p.xattn_block,
+            out=op, xa_block_idx=xa_idx, xa_block_cnt=xa_cnt, xattn_block=p.xattn_block,
+            skip_fa=fa_heads is not None,
         )  # fmt: skip
+    return out
+
+
+def fa_heads_attention(
+    fn: DenseFn,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    head_modes: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Full causal attention of the FA heads of prompt rows through a dense varlen kernel ``fn``, one call
+    per KV head h over strided views (no copy): queries ``q[:, hG:(h+1)G]``, the cache's head h, output
+    ``out[:, hG:(h+1)G]``. A row whose head h is not FA gets 0 keys (``seqused_k``) in that call, so the call
+    does no work for it; what it writes there is overwritten by the hybrid prefill (``skip_fa``), which runs
+    after it and computes exactly the heads that are not FA. No host sync: the per-head key counts are one
+    device op over ``head_modes``.
+
+    Why per KV head: the routing differs per (request, head) and is decided on the device at this layer,
+    while a dense kernel runs one set of heads for every row; Hkv calls of G query heads each cover every
+    (row, head) pair, and each call still fills the GPU on the long prompts it is used for."""
+    hkv = key_cache.shape[2]
+    g = q.shape[1] // hkv
+    fa_lens = torch.where(head_modes.t() == int(HeadMode.FA), seq_lens, 0).to(torch.int32)  # [Hkv, B]
+    for h in range(hkv):
+        qs = slice(h * g, (h + 1) * g)
+        fn(q[:, qs], key_cache[:, :, h : h + 1], value_cache[:, :, h : h + 1], out[:, qs], query_start_loc,
+           fa_lens[h], block_table, max_query_len, max_seq_len, scale)  # fmt: skip
     return out

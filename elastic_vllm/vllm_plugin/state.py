@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from elastic_vllm.config import ConfigError, ElasticConfig
+from elastic_vllm.config import ConfigError, ElasticConfig, HeadMode
 from elastic_vllm.reference.rope import RopeSpec
 from elastic_vllm.router.checkpoint import (
     BackboneShape,
@@ -89,6 +89,9 @@ logger = logging.getLogger("elastic_vllm.vllm_plugin")
 # Pre-RoPE key recovery inverts NeoX-style (rotate-half) RoPE, which these architectures use.
 NEOX_ROPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite")
 RECORD_POOLED_ENV = "ELASTIC_VLLM_RECORD_POOLED"
+# Hybrid prefill steps whose longest row reaches this many tokens run their FA heads on vLLM's FlashAttention
+# (``ops.fa_heads_attention``: Hkv calls per layer); shorter ones keep every head in the one hybrid launch.
+FA_SPLIT_MIN_SEQ = 0
 # Budget tables kept (elastic_target_omega / target_omega): clients choose the floats, so the cache must not grow
 # with them; each table is L ints and an evicted one is rebuilt on its next use.
 BUDGET_TABLES = 64
@@ -178,6 +181,7 @@ class StepPlan:
     query_start_loc: list[int]
     seq_lens: list[int]
     dense: bool = False  # every head of every row is full attention: vLLM's FlashAttention runs the step
+    fa_split: bool = False  # the prompt rows' FA heads on vLLM's FlashAttention, the other heads on ours
 
 
 class EngineState(compat.RunnerObserver):
@@ -226,6 +230,7 @@ class EngineState(compat.RunnerObserver):
         self.plan: StepPlan | None = None
         self.attached = False
         self.dense_attention = None  # vLLM's FlashAttention for all-FA steps (set by warmup after its check)
+        self.fa_heads_attention = None  # the same kernel for the FA heads of hybrid steps (warmup's check too)
         self.warmed = False
         self._live_published = -1  # last value of the elastic:live_requests gauge
         self.step_id = 0  # execute_model calls with a scheduler output (the recorder's step order)
@@ -466,12 +471,23 @@ class EngineState(compat.RunnerObserver):
             )
             observe.COUNTERS.routed_rows += len(route_rows)
         # decode-only steps keep the decode kernel: they replay FULL CUDA graphs, captured from it
-        dense = dense and self.dense_attention is not None and int(common.max_query_len) > 1
+        prompt_rows = int(common.max_query_len) > 1
+        dense = dense and self.dense_attention is not None and prompt_rows
+        fa_split = (
+            not dense
+            and prompt_rows
+            and self.fa_heads_attention is not None
+            and self.cfg.fa_mode == HeadMode.FA
+            and int(common.max_seq_len) >= FA_SPLIT_MIN_SEQ
+        )
         if dense:
             observe.COUNTERS.dense_steps += 1
+        if fa_split:
+            observe.COUNTERS.fa_split_steps += 1
         self.plan = StepPlan(
-            route=route, rows=states, query_start_loc=qsl, seq_lens=self._host_seq_lens(common, B), dense=dense
-        )
+            route=route, rows=states, query_start_loc=qsl, seq_lens=self._host_seq_lens(common, B), dense=dense,
+            fa_split=fa_split,
+        )  # fmt: skip
         return self.plan
 
     @staticmethod

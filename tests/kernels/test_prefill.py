@@ -280,3 +280,30 @@ def test_prefill_vllm_layout_slots_and_xa_as_fa():
         out=out, head_mode_slots=slots, block_m=16, block_n=32,
     )  # fmt: skip
     assert_close(out, ref(batch, torch.where(hm == XA, FA, hm), 4, 20), "vllm-layout")
+
+
+@pytest.mark.parametrize("xa", [False, True], ids=["fa_ssa", "fa_xa"])
+def test_prefill_skip_fa_writes_only_the_other_heads(xa):
+    """``skip_fa``: FA (row, head) outputs keep their NaN poison bit for bit, every SSA / XA output matches the
+    reference (chunked rows, a decode-like row, GQA 2)."""
+    gen = torch.Generator().manual_seed(23)
+    seqs, qls, blk = [130, 97, 70, 9], [50, 97, 3, 9], 32
+    batch = make_paged_batch(seqs, qls, 4, 2, 16, block_size=16, generator=gen)
+    hm = torch.tensor([[FA, SSA], [XA if xa else SSA, FA], [FA, FA], [SSA, SSA]], dtype=torch.int8)
+    kw, masks = {}, None
+    if xa:
+        masks = random_xa_masks(seqs, 2, blk, gen)
+        mq = max(-(-q // blk) + 1 for q in qls)
+        mk = max(-(-s // blk) for s in seqs)
+        idx, cnt = block_masks_to_lists(masks, seqs, qls, blk, mq, mk, 2)
+        kw = dict(xa_block_idx=idx, xa_block_cnt=cnt, xattn_block=blk)
+    out = run(batch, hm, 4, 20, skip_fa=True, block_m=32, block_n=16, **kw)
+    expect = ref(batch, hm, 4, 20, masks, blk)
+    qsl = batch.query_start_loc.tolist()
+    for b in range(len(seqs)):
+        for h in range(2):
+            o, e = out[qsl[b] : qsl[b + 1], 2 * h : 2 * h + 2], expect[qsl[b] : qsl[b + 1], 2 * h : 2 * h + 2]
+            if hm[b, h] == FA:
+                assert torch.isnan(o).all(), (b, h)
+            else:
+                assert_close(o, e, f"row {b} head {h}")

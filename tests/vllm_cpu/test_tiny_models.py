@@ -167,6 +167,54 @@ def test_dense_steps_keep_tokens_and_routing(tiny):
             assert e_a.omega_msr == e_b.omega_msr and e_a.omega_esr == e_b.omega_esr, k
 
 
+def test_fa_split_steps_keep_tokens_and_routing(tiny, monkeypatch):
+    """Hybrid prompt steps with their FA heads on the dense kernel (``ops.fa_heads_attention``, one call per KV
+    head) and the other heads on the hybrid prefill: the same tokens, decisions and Omegas as the elastic kernels
+    alone, with mixed steps (decodes beside prompts) and chunked prompts. The dense kernel here is the PyTorch
+    reference; vLLM's FA3 is checked on the GPU (the warm-up's admission, tests/gpu/check_kernels.py)."""
+    from elastic_vllm.reference.attention import dense_paged_attention
+    from elastic_vllm.vllm_plugin import state as state_mod
+
+    from .conftest import elastic_states
+
+    monkeypatch.setattr(state_mod, "FA_SPLIT_MIN_SEQ", 0)
+    model, router = tiny["llama"]
+    cfg = {"elastic": {"sink": 2, "window": 12, "router_path": str(router)}, "elastic_ops": "triton"}
+    prompts = [" ".join([p] * k) for k, p in zip((2, 4, 3), PROMPTS)]  # 30-70 tokens, past sink + window
+    llm = make_llm(model, attention_backend="elastic", additional_config=cfg, enable_prefix_caching=False,
+                   **{**ENGINE, "max_num_batched_tokens": 64})  # fmt: skip
+    calls = []
+
+    def dense(*a):
+        calls.append((a[1].shape[2], a[4].numel() - 1, int(a[7])))  # KV heads, rows, max_query_len
+        return dense_paged_attention(*a)
+
+    def run():
+        before = observe.COUNTERS.fa_split_steps
+        outs = llm.generate(prompts, greedy(4), use_tqdm=False)
+        got = [(o.outputs[0].token_ids, event_of(o.request_id)) for o in outs]
+        return got, observe.COUNTERS.fa_split_steps - before
+
+    try:
+        (st,) = [s for s in elastic_states() if s.cfg.window == 12]
+        assert st.fa_heads_attention is None  # no FlashAttention on the CPU: nothing was admitted
+        base, n0 = run()
+        st.fa_heads_attention = dense
+        got, n1 = run()
+    finally:
+        close_llm(llm)
+    assert n0 == 0 and n1 >= 2 and calls
+    assert {c[0] for c in calls} == {1}  # one call per KV head
+    assert any(c[1] > 1 for c in calls)  # a step with several sequences went through the split
+    modes = set()
+    for (t_a, e_a), (t_b, e_b) in zip(base, got):
+        assert t_a == t_b
+        assert torch.equal(e_a.decisions, e_b.decisions) and torch.equal(e_a.head_modes, e_b.head_modes)
+        assert e_a.omega_msr == e_b.omega_msr and e_a.omega_esr == e_b.omega_esr
+        modes |= set(e_a.head_modes.flatten().tolist())
+    assert modes == {0, 1}  # both FA and SSA heads ran
+
+
 def test_preemption_reroutes_identically(tiny):
     """A KV cache too small for the batch: vLLM preempts and later recomputes requests; their routing is
     recomputed from the same keys, equals the first one, and is recorded once."""
