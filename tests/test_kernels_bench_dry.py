@@ -87,3 +87,20 @@ def test_gpu_check_of_the_hf_triton_path_runs_dry(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
     assert len(res) == 2 and all(r["ok"] and r["err"] <= r["bound"] for r in res), res
+
+
+def test_fa_split_benchmark_dry_run(tmp_path):
+    """benchmarks/fa_split.py on toy steps: every split output was checked against the fused kernel (the rows
+    are the table FA_SPLIT_MIN_SEQ is read from) and both sides were timed."""
+    out = tmp_path / "fa-split.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fa_split.py"), "--cpu-dry", "--out", str(out),
+         "--shapes", "demo", "--shares", "0,0.5,1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    rows = d["rows"]
+    assert {r["case"] for r in rows} == {"1x96", "2x48", "ctx160 q64"} and {r["share"] for r in rows} == {0, 0.5, 1}
+    assert all(r["ok"] and r["rel_err"] < d["config"]["rtol"] and r["fused_ms"] > 0 and r["split_ms"] > 0 for r in rows)
+    assert any(r["rel_err"] > 0 for r in rows if r["share"] < 1)  # the split really ran another kernel

@@ -30,6 +30,8 @@ directly (no pip install needed on a bare checkout). Checks, one JSON row each (
   1e-3 (tests/vllm_cpu/helpers.LOGIT_EPS: float32 keys of two engines agree to ~1e-5), and the logits close.
 - long: a Llama-3.1-8B-shaped model with dummy weights serves one --long-len token prompt (random ids), auto
   (random router) and all-FA; reports the prefill times and Omega_MSR.
+- fa_split: hybrid prompt steps with their FA heads on vLLM's FlashAttention against the fused kernel for every
+  head (``check_fa_split``).
 - metrics: the process's Prometheus registry holds one elastic:request_omega_msr observation per served
   request and none from engine startup, with the V2 runner (0.26's default), whose kernel warm-up runs
   max_num_seqs '_warmup_<i>_' requests through the model (these were recorded before: the TP=2 check's 8
@@ -443,9 +445,55 @@ def check_dense(name, t0):
     record(name, ok, time.perf_counter() - t0, **rows)
 
 
+def check_fa_split(name, t0):
+    """Hybrid prompt steps with their FA heads on vLLM's FlashAttention (admitted by the warm-up; counted in
+    elastic:fa_split_steps): the shipped router on ~3K-token chat prompts, half of them at elastic_target_omega
+    0.5 (FA and SA heads in every layer), against the same engine with ELASTIC_VLLM_FLASH_DENSE=off (the fused
+    kernel for every head): the same decisions for every request, the tokens equal up to a near-tie, no split
+    step with the switch off. The split's length threshold (state.FA_SPLIT_MIN_SEQ, from
+    benchmarks/fa_split.py) is set to 0 here so that these prompts take the path under test."""
+    from vllm import SamplingParams
+
+    from elastic_vllm.vllm_plugin import observe
+    from elastic_vllm.vllm_plugin import state as state_mod
+
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    state_mod.FA_SPLIT_MIN_SEQ = 0
+    filler = " ".join(f"Line {i}: the archive lists item {i * 37 % 1000} in drawer {i % 17}." for i in range(220))
+    cfg = {"elastic": {"router_path": ARGS.trained_router, "sink": 128, "window": 512}}
+    rows, runs = {}, {}
+    for dense in ("auto", "off"):
+        os.environ["ELASTIC_VLLM_FLASH_DENSE"] = dense
+        llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg, enable_prefix_caching=False)
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template([{"role": "user", "content": f"{filler}\n\n{c}"}],
+                                           add_generation_prompt=True, tokenize=False) for c in CHAT]  # fmt: skip
+        params = [SamplingParams(max_tokens=16, temperature=0.0, logprobs=2,
+                                 extra_args={"elastic_target_omega": 0.5} if i % 2 else None)
+                  for i in range(len(prompts))]  # fmt: skip
+        s0 = observe.COUNTERS.fa_split_steps
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        evs = events_by_request(outs)
+        close_llm(llm)
+        runs[dense] = (outs, evs)
+        rows[dense] = {"fa_split_steps": observe.COUNTERS.fa_split_steps - s0, "routed": sum(e is not None for e in evs),
+                       "omega_msr": [None if e is None else round(e.omega_msr, 3) for e in evs],
+                       "prompt_tokens": [len(o.prompt_token_ids) for o in outs]}  # fmt: skip
+    os.environ.pop("ELASTIC_VLLM_FLASH_DENSE", None)
+    (a_out, a_ev), (b_out, b_ev) = runs["auto"], runs["off"]
+    same_routing = all(a is not None and b is not None and bool((a.head_modes == b.head_modes).all())
+                       for a, b in zip(a_ev, b_ev))  # fmt: skip
+    same_tokens = [_same_until_tie(b, a) for a, b in zip(a_out, b_out)]
+    mixed = all(0 < m < 1 for m in rows["auto"]["omega_msr"][1::2] if m is not None)
+    ok = (rows["auto"]["fa_split_steps"] > 0 and rows["off"]["fa_split_steps"] == 0 and same_routing and mixed
+          and all(same_tokens) and rows["auto"]["routed"] == len(a_out))  # fmt: skip
+    record(name, ok, time.perf_counter() - t0, same_routing=same_routing, same_until_tie=sum(same_tokens), **rows)
+
+
 CHECKS = {
     "all_fa": [("all_fa_v2", check_all_fa("v2")), ("all_fa_v1", check_all_fa("v1"))],
     "dense": [("dense", check_dense)],
+    "fa_split": [("fa_split", check_fa_split)],
     "graphs": [("graphs", check_graphs)],
     "needle": [("needle", check_needle)],
     "batch": [("batch", check_batch)],
