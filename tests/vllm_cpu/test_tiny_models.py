@@ -201,9 +201,13 @@ def test_fa_split_steps_keep_tokens_and_routing(tiny, monkeypatch):
         base, n0 = run()
         st.fa_heads_attention = dense
         got, n1 = run()
+        monkeypatch.setattr(state_mod, "FA_SPLIT_MIN_SEQ", 10**6)  # every prompt shorter: no split step
+        n_calls = len(calls)
+        below, n2 = run()
     finally:
         close_llm(llm)
-    assert n0 == 0 and n1 >= 2 and calls
+    assert n0 == 0 and n1 >= 2 and calls and n2 == 0 and len(calls) == n_calls
+    assert [t for t, _ in below] == [t for t, _ in base]
     assert {c[0] for c in calls} == {1}  # one call per KV head
     assert any(c[1] > 1 for c in calls)  # a step with several sequences went through the split
     modes = set()
