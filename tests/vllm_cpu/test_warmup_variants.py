@@ -77,7 +77,7 @@ def test_binder_sees_alignment_and_divisibility():
     base.update({n: 16 for n in names[11:i_scale]})  # strides, counts, sink, window
     base["qk_scale"] = 1.0
     const = dict(G=1, BLOCK_Q=16, BLOCK_M=16, BLOCK_N=16, BS=16, HEAD_DIM=16, BLOCK_D=16, TILE_IN_BLOCK=True,
-                 HAS_SLOTS=False, HAS_XA=False, XA_BLOCK=16, DOT_PREC="ieee", BLOCK_H=2)  # fmt: skip
+                 HAS_SLOTS=False, HAS_XA=False, XA_BLOCK=16, DOT_PREC="ieee", BLOCK_H=2, SKIP_FA=False)  # fmt: skip
     assert set(base) | set(const) == set(names)
 
     def key(**change):
