@@ -180,9 +180,12 @@ def test_warmup_routes_both_router_variants():
 def _fa3_like(calls):
     """The dense kernel's contract as FlashAttention keeps it: full causal attention of the rows that have keys
     (``seq_lens`` is the per-head key count), and for a row with 0 keys an output the caller must overwrite
-    (here 1e4, so a row left as written fails the comparison)."""
+    (here 1e4, so a row left as written fails the comparison). It refuses what FA3 refuses: key counts that are
+    not a contiguous int32 vector (on the H100 a strided row of them raised "seqused_k must be contiguous")."""
 
     def fn(q, key_cache, value_cache, out, qsl, seq_lens, block_table, max_q, max_s, scale):
+        if not seq_lens.is_contiguous() or seq_lens.dtype != torch.int32:
+            raise RuntimeError("seqused_k must be contiguous")
         calls.append((q.shape[1], key_cache.shape[2], seq_lens.tolist()))
         ref = _paged_fa(q, key_cache, value_cache, torch.empty_like(q), qsl, seq_lens, block_table, max_q, max_s,
                         scale)  # fmt: skip

@@ -285,7 +285,9 @@ def fa_heads_attention(
     (row, head) pair, and each call still fills the GPU on the long prompts it is used for."""
     hkv = key_cache.shape[2]
     g = q.shape[1] // hkv
-    fa_lens = torch.where(head_modes.t() == int(HeadMode.FA), seq_lens, 0).to(torch.int32)  # [Hkv, B]
+    # .contiguous(): the where keeps the transposed layout of head_modes.t(), so a row of it is strided over
+    # B and FA3 rejects it ("seqused_k must be contiguous", H100, any step of 2+ prompt rows)
+    fa_lens = torch.where(head_modes.t() == int(HeadMode.FA), seq_lens, 0).to(torch.int32).contiguous()  # [Hkv, B]
     for h in range(hkv):
         qs = slice(h * g, (h + 1) * g)
         fn(q[:, qs], key_cache[:, :, h : h + 1], value_cache[:, :, h : h + 1], out[:, qs], query_start_loc,
