@@ -389,7 +389,7 @@ def write_model_dir(spec: dict, work: Path) -> Path:
     rs = cfg.get("rope_scaling") or {}
     if rs.get("rope_type") == "yarn" and rs["factor"] * rs["original_max_position_embeddings"] < spec["max_model_len"]:
         # vLLM derives a YaRN model's length limit as factor x original length (131072 for Qwen3-8B), so the
-        # MARGIN past a 128K prompt is refused (2026-12-01, qwen3-8b jobs): stretch the factor to cover it
+        # MARGIN past a 128K prompt is refused (qwen3-8b jobs): stretch the factor to cover it
         # (4.0 -> 4.016; dummy weights, the rotary angles do not change the timing)
         cfg["rope_scaling"] = dict(rs, factor=spec["max_model_len"] / rs["original_max_position_embeddings"])
     d = work / f"model-{spec['model']}-{spec['max_model_len']}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Load ramp (P15): two elastic servers, identical but for ``load_policy.enabled`` (off / on), each driven by
+"""Load ramp: two elastic servers, identical but for ``load_policy.enabled`` (off / on), each driven by
 vLLM's benchmark client through request-rate steps past saturation, long and short prompts mixed, with the live
 ``elastic:load_bias`` polled from /metrics while each step runs.
 

@@ -1,4 +1,4 @@
-"""Per-request bias and fixed budgets (P15) in every routing path against the reference decisions
+"""Per-request bias and fixed budgets in every routing path against the reference decisions
 (``router.model.decide`` / ``decide_budget``): the vLLM backend's torch glue, its fused Triton router
 (TRITON_INTERPRET=1) with a bias every row shares, and the transformers integration (``set_config``)."""
 

@@ -1,4 +1,4 @@
-"""P13.4 no silent degradation, and the per-request budget knob bounded, below the server:
+"""No silent degradation, and the per-request budget knob bounded, below the server:
 
 - NaN / inf router logits send the head to FA (not SA, as argmax and NaN comparisons did), the engine
   counts them and warns once;

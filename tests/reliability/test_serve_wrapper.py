@@ -1,4 +1,4 @@
-"""P13.3 / P13.6 `elastic-vllm serve` as a supervisor, against a stand-in ``vllm`` (a script that
+"""`elastic-vllm serve` as a supervisor, against a stand-in ``vllm`` (a script that
 prints a given log and exits with a given code), so that every outcome runs in a second:
 
 - a clean exit: code 0, the log file and the Prometheus folder removed;

@@ -1,4 +1,4 @@
-"""P8.1 startup validation against real vLLM: a router checkpoint for another model (layers / KV heads /
+"""Startup validation against real vLLM: a router checkpoint for another model (layers / KV heads /
 head_dim), a truncated or corrupted checkpoint file (sha256 mismatch), an unknown mode, invalid
 config values. A real `elastic-vllm serve` must exit non-zero with one log line naming the problem;
 every case also runs in an in-process vLLM engine, which must raise the project's error with the
