@@ -70,7 +70,7 @@ def test_router_with_nan_output_runs_fa_and_is_counted(caplog):
     rope = RopeSpec(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), 1.0, 8, 8)
     cfg = ElasticConfig()
     per_layer = [route_layer(layer, key_cache, rb, router, rope, cfg, 2) for layer in range(2)]
-    assert per_layer[1][1].all(), "NaN logits must give FA"
+    assert per_layer[1][1].fa.all(), "NaN logits must give FA"
     logits = torch.stack([out[0][0] for out in per_layer])[None]  # [1 request, L, H, 2]
 
     recorder = Recorder(cfg, "m", Topology(layers=(0, 2)), (0, 1), True, "r")
