@@ -163,17 +163,23 @@ def test_warm_up_runs_every_kernel_call(monkeypatch):
     assert rep["dense_rel_err"] < 1e-5  # fp32 both ways
 
 
-def test_warmup_routes_both_router_variants():
+def test_warmup_routes_every_router_variant():
     """The fused router compiles one variant for a step whose rows share one bias and one (ROW_MARGIN) for rows
-    of different biases; the warm-up routes a batch of each, built as the engine builds them, so a client's
-    elastic_bias or a load-policy level compiles nothing while serving (GPU: vLLM's JIT monitor)."""
+    of different biases; a step with a fixed SA budget launches it for logits only (HAS_LOGITS, no epilogue) and
+    ranks them in the glue. The warm-up routes a batch of each, built as the engine builds them, so a client's
+    elastic_bias, a load-policy level or an elastic_target_omega compiles nothing while serving (GPU: vLLM's JIT
+    monitor; tests/vllm_cpu/test_warmup_variants.py compares the launches' specialisations)."""
     from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch
 
     table = torch.arange(1, 1 + 3 * 32, dtype=torch.int32).view(3, 32)  # a decode row, then the two prompts
-    batches = [build_route_batch(rows, table, 16, "mean", 100) for rows in warmup.router_warmup_rows(RouteRow)]
-    per_row = [rb.biases is not None for rb in batches]
-    assert sorted(per_row) == [False, True], per_row
-    assert not any(rb.needs_glue for rb in batches)  # both through the fused kernel, not the torch glue
+    budgets = []
+    batches = [
+        build_route_batch(rows, table, 16, "mean", 100, budget_sa=lambda t: budgets.append(t) or [1, 1])
+        for rows in warmup.router_warmup_rows(RouteRow)
+    ]
+    kinds = [("glue" if rb.needs_glue else "per-row" if rb.biases is not None else "one") for rb in batches]
+    assert sorted(kinds) == ["glue", "one", "per-row"], kinds
+    assert budgets == [0.5]
 
 
 # --- FA heads of hybrid steps on the dense kernel (ops.fa_heads_attention) --------------------------------------
