@@ -127,7 +127,8 @@ def test_real_engine_keeps_the_floor_heads_fa(demo_model_dir):
     assert torch.equal(auto.decisions, plain | floor) and auto.decisions[floor].all()
     moved = int((~plain & floor).sum())
     assert moved > 0, "the router should send some floor heads SA on this prompt, or the test shows nothing"
-    assert auto.omega_msr_all == pytest.approx(((~plain).sum().item() - moved) / HEADS, abs=1e-12)
+    # recorded in float32: 1e-6 is far below one head's 1 / 90
+    assert auto.omega_msr_all == pytest.approx(((~plain).sum().item() - moved) / HEADS, abs=1e-6)
     # a force is explicit: every head SA, the floor's too
     assert not forced.decisions.any() and forced.omega_msr_all == 1.0
     # a budget: exact, the floor heads the last to go SA
