@@ -62,7 +62,7 @@ from elastic_vllm.router.checkpoint import (
 )
 from elastic_vllm.router.discovery import resolve_router_path
 from elastic_vllm.router.model import budget_sa_counts
-from elastic_vllm.router.policy import RoutingTables, decode_modes
+from elastic_vllm.router.policy import RoutingTables, decode_modes, floor_of
 from elastic_vllm.vllm_plugin import compat, observe, parallel
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import (
@@ -210,6 +210,8 @@ class EngineState(compat.RunnerObserver):
         self.router = None
         self.router_path = None
         self._load_router()
+        # the fa_floor mask of the whole model [L, all KV heads] (None: off); this rank keeps its KV heads' columns
+        self.floor_heads = floor_of(self.router, self.cfg, self.router_path)
         self.params = AttnParams(
             scale=0.0,  # set per layer by the impl
             sink=self.cfg.sink,
@@ -287,9 +289,12 @@ class EngineState(compat.RunnerObserver):
         self.tables = RoutingTables(
             self.row_modes, self.table_modes, self.table_fa, self.table_logits, self.table_pooled
         )
-        # the fa_floor mask of this rank's KV heads, [L, Hkv] int8 (all 0: no floor)
+        # the fa_floor mask of this rank's KV heads, [L, Hkv] int8 (all 0: no floor); with pipeline parallelism the
+        # tables keep the global layer index, so a stage reads its own layers' rows
         self.floor = torch.zeros(L, H, dtype=torch.int8, device=device)
-        self.has_floor = False
+        self.has_floor = self.floor_heads is not None and bool(self.floor_heads[:, list(self.kv_heads)].any())
+        if self.floor_heads is not None:
+            self.floor.copy_(self.floor_heads[:, list(self.kv_heads)].to(torch.int8))
         self.free_slots = list(range(self.num_slots - 2, -1, -1))
         self.timer = StepTimer(device)
         self.kernel_router = (
