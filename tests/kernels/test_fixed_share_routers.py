@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from elastic_vllm.csrc.route import pack_router_norm, pack_router_weights, route
+
 from elastic_vllm.reference.paged import make_paged_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
