@@ -93,6 +93,19 @@ CASES = {
     ),
     "unknown_elastic_key": ("completions", completion("Hi", **xargs(elastic_forc="all-FA")), BAD, "elastic_forc: not an elastic-vllm key (known: elastic_force"),
     "xargs_not_an_object": ("completions", completion("Hi", vllm_xargs="all-FA"), BAD, "vllm_xargs"),
+    # the knob in another case, with spaces around or without its underscore: refused (it used to run auto)
+    **{
+        f"knob_variant_{i}": (endpoint, body(**{"vllm_xargs": {key: "all-SA"}}), BAD,
+                              f"vllm_xargs.{shown}: not an elastic-vllm key (did you mean elastic_force? known: "
+                              "elastic_force, elastic_bias, elastic_target_omega)")
+        for i, (endpoint, body, key, shown) in enumerate([
+            ("completions", lambda **kw: completion("Hi", **kw), "ELASTIC_FORCE", "ELASTIC_FORCE"),
+            ("chat", lambda **kw: chat([{"role": "user", "content": "Hi"}], **kw), "Elastic_force", "Elastic_force"),
+            ("completions", lambda **kw: completion("Hi", **kw), " elastic_force", "' elastic_force'"),
+            ("chat", lambda **kw: chat([{"role": "user", "content": "Hi"}], **kw), "elasticforce", "elasticforce"),
+            ("completions", lambda **kw: completion("Hi", stream=True, **kw), "elastic-force", "elastic-force"),
+        ])
+    },
     # P15 elasticity knobs: each bad value a 400 naming the field (NaN / Infinity: as Python's json writes them,
     # which FastAPI reads back; a null is refused by vLLM's own request model, naming the field too)
     "bias_ok": ("completions", completion(SHORT, **xargs(elastic_bias=-2.5)), OK, 1),
