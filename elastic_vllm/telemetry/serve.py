@@ -131,6 +131,11 @@ def root_cause(log: str) -> str | None:
 
 def fix_for(cause: str) -> str:
     """How to go on from a root cause (:func:`root_cause`)."""
+    if "--additional-config" in cause:
+        return (
+            "write it as one JSON object in single quotes, keys and strings in double quotes, e.g. "
+            """--additional-config '{"elastic": {"window": 512}}'"""
+        )
     if "ConfigError" in cause:
         return "correct what the line names; every field with its type and bounds: README.md, 'Configuration'"
     if "RouterCheckpointError" in cause:

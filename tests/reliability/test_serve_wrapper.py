@@ -213,6 +213,30 @@ def test_bad_config_stops_before_vllm_starts(tmp_path, elastic, want):
     assert not list(seen["tmp"].glob("elastic-vllm-prom-*"))
 
 
+@pytest.mark.parametrize(
+    "raw,want",
+    [
+        ('{"elastic": {window: 5}}', "--additional-config is not valid JSON: Expecting property name enclosed in "
+         "double quotes at character 14 (got '{\"elastic\": {window: 5}}')"),
+        ("", "--additional-config is not valid JSON: Expecting value at character 1 (got '')"),
+        ('{"elastic": {"window": 5}', "--additional-config is not valid JSON: Expecting ',' delimiter"),
+        ('[{"elastic": {}}]', "--additional-config must be a JSON object (got [{'elastic': {}}])"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("form", ["two args", "one arg"])
+def test_bad_additional_config_json_stops_before_vllm_starts(tmp_path, raw, want, form):
+    """Bad JSON in --additional-config: one line naming the problem and the fix, exit 2, vLLM never started (its own
+    argparse refused it only after its import: 23 s, "vllm serve exited with code 2")."""
+    args = ("--additional-config", raw) if form == "two args" else (f"--additional-config={raw}",)
+    rc, _, err, seen = run_wrapper(tmp_path, CLEAN, 0, ("--port", "8001", *args, "--enforce-eager"))
+    assert rc == 2 and not seen["ran"], err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("elastic-vllm serve: error: elastic_vllm.config.ConfigError: " + want), lines[0]
+    assert "(fix: write it as one JSON object in single quotes" in lines[0], lines[0]
+    assert not list(seen["tmp"].glob("elastic-vllm-prom-*"))
+
+
 @pytest.mark.parametrize("log", ["", ENGINE_DIED], ids=["silent", "logged"])
 def test_engine_death_is_a_nonzero_exit_even_when_vllm_exits_0(tmp_path, log):
     """The engine core process ends (SIGKILL) while nobody asked for a stop; the stand-in API server then exits 0,
