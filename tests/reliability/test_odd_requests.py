@@ -184,6 +184,29 @@ def test_odd_request(server, client, case):
     assert wait_until(lambda: _live(server) == 0, 30), f"{case}: elastic:live_requests stays {_live(server)}"
 
 
+@pytest.mark.parametrize(
+    "extra,status,expect",
+    [
+        ({"elastic_force": "fast"}, BAD, "sampling_params.extra_args.elastic_force: must be one of 'auto'"),
+        ({"ELASTIC_FORCE": "all-SA"}, BAD, "sampling_params.extra_args.ELASTIC_FORCE: not an elastic-vllm key"),
+        ({"elastic_bias": 5000}, BAD, "sampling_params.extra_args.elastic_bias: must be in [-1024, 1024]"),
+        ({"elastic_force": "all-SA"}, OK, None),
+    ],
+)
+def test_token_endpoint_errors_name_its_own_field(server, client, extra, status, expect):
+    """vLLM's token endpoint takes the SamplingParams themselves: its errors name sampling_params.extra_args, the
+    field its clients wrote, not the OpenAI endpoints' vllm_xargs."""
+    m0 = server.metrics()
+    body = {"model": MODEL_NAME, "token_ids": SHORT[:20], "sampling_params": {"max_tokens": 2, "extra_args": extra}}
+    r = client.post("/inference/v1/generate", json=body)
+    assert r.status_code == status, r.text[:2000]
+    if status == BAD:
+        assert expect in r.text and "vllm_xargs" not in r.text, r.text[:2000]
+        assert delta(m0, server.metrics(), "elastic:requests_total") == 0
+    else:
+        assert delta(m0, server.metrics(), "elastic:requests_total", override=extra["elastic_force"]) == 1
+
+
 def test_still_serving_after_the_odd_requests(server, client):
     r = client.post("/v1/completions", json=completion(SHORT, ignore_eos=True))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == MAX_TOKENS
