@@ -101,13 +101,17 @@ def _has_cuda() -> bool:
 SUMMARY = "elastic-vllm serve: error: "
 _SUMMARY_CAUSE = re.compile(r"elastic-vllm serve: error: (.*?) \(fix: .*\)$")
 # an exception line, after any prefix vLLM's loggers put before it ("(Worker pid=7) ERROR ... [file.py:1] ")
+# vLLM's exceptions that only point at the real one, logged before them ("Engine core initialization failed. See root
+# cause above."): the root cause is that one
+POINTER = re.compile(r"See root cause above|Engine core initialization failed")
 _EXCEPTION = re.compile(r"(?:^|\s)((?:\w+\.)*\w*(?:Error|Exception)): \S")
 
 
 def root_cause(log: str) -> str | None:
     """The line of a server log that says why it stopped, from the exception's name on: the project's own
-    error (ConfigError, RouterCheckpointError, ...: raised from ``elastic_vllm.``), else the last
-    exception line, else vLLM's engine-death line, else the last ERROR line; None when there is none."""
+    error (ConfigError, RouterCheckpointError, ...: raised from ``elastic_vllm.``), else the last exception line
+    that is not only a pointer to an earlier one (:data:`POINTER`), else the last exception line, else vLLM's
+    engine-death line, else the last ERROR line; None when there is none."""
     # this wrapper's own summary line (a ServeProcess log holds it) repeats a cause with its fix: used only when
     # nothing else says why (the wrapper's own check stopped it before vLLM ran)
     lines = [x.strip() for x in log.splitlines() if x.strip() and not x.startswith(SUMMARY)]
@@ -119,6 +123,7 @@ def root_cause(log: str) -> str | None:
 
     for pick in (
         lambda x: (e := exception(x)) and e.startswith("elastic_vllm.") and e,
+        lambda x: (e := exception(x)) and not e.startswith("KeyboardInterrupt") and not POINTER.search(e) and e,
         lambda x: (e := exception(x)) and not e.startswith("KeyboardInterrupt") and e,
         lambda x: ENGINE_DIED.search(x) and x,
         lambda x: " ERROR " in x and x,
@@ -142,7 +147,7 @@ def fix_for(cause: str) -> str:
         return "pass a router trained for this model (router.json + router.safetensors) as elastic.router_path"
     if ENGINE_DIED.search(cause):
         return "the engine process was killed or crashed (out of memory?); restart the server"
-    return "read the full log"
+    return "this is vLLM's own error: correct the option or file it names (`vllm serve --help` lists vLLM's options)"
 
 
 class Supervisor:
@@ -255,8 +260,35 @@ def _alive(p) -> bool:
         return False
 
 
+# the files vLLM reads a model's configuration from: Hugging Face's config.json, or params.json (Mistral's format)
+MODEL_CONFIG_FILES = ("config.json", "params.json")
+MODEL_FIX = (
+    "pass a model folder (config.json, tokenizer, *.safetensors) or a Hugging Face model id such as "
+    "HuggingFaceTB/SmolLM2-135M-Instruct; `elastic-vllm fetch-model` prints the demo model's folder"
+)
+
+
+def local_model_problem(model: str) -> str | None:
+    """What is missing for ``model`` as a local model, or None: a model folder (or file: vLLM reads GGUF files), or
+    not a local path at all. A Hugging Face id ("name" or "org/name", nothing on disk) goes to vLLM unchanged: it
+    resolves it, or names the problem, itself. A path is what starts with "/", "./", "../" or "~", holds more than
+    one "/" (no hub id does), or exists."""
+    path = Path(model).expanduser()
+    if not (model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or path.exists()):
+        return None
+    if not path.exists():
+        return f"model {model}: no such file or folder"
+    if path.is_dir() and not any((path / f).is_file() for f in MODEL_CONFIG_FILES):
+        return f"model {model}: the folder holds no config.json, so it is not a model folder"
+    return None
+
+
 def run_serve(model: str | None, extra: list[str]) -> int:
     """Run ``vllm serve`` (see the module docstring); returns the exit code for the wrapper."""
+    problem = local_model_problem(model) if model is not None else None
+    if problem:  # vLLM took 13 s and a 60-line traceback to say so
+        print(f"elastic-vllm serve: error: {problem} (fix: {MODEL_FIX})", file=sys.stderr)
+        return 2
     if model is None:
         from elastic_vllm.models import fetch_demo_model
 

@@ -65,6 +65,7 @@ def stand_in(tmp_path: Path, log: str, code: int, engine: bool = False, wait: bo
         #!{sys.executable}
         import os, signal, subprocess, sys, time
         open({str(tmp_path / "child-env.txt")!r}, "w").write(os.environ.get("PROMETHEUS_MULTIPROC_DIR", ""))
+        open({str(tmp_path / "child-argv.txt")!r}, "w").write(chr(10).join(sys.argv))
         sys.stdout.write({log!r})
         sys.stdout.flush()
         engine = None
@@ -97,16 +98,27 @@ def stand_in(tmp_path: Path, log: str, code: int, engine: bool = False, wait: bo
     return fake
 
 
-def start_wrapper(tmp_path: Path, fake: Path, args: tuple[str, ...] = (), grace_s: float | None = None):
-    """`elastic-vllm serve` (its own process group) whose argv builder points at the stand-in; the rest of the
+def start_wrapper(
+    tmp_path: Path, fake: Path, args: tuple[str, ...] = (), grace_s: float | None = None, model: str | None = None
+):
+    """`elastic-vllm serve MODEL` (its own process group) whose argv builder points at the stand-in; the rest of the
     wrapper runs unchanged (the wrapper runs vLLM as `python -m vllm.entrypoints.cli.main`, test_telemetry checks
-    that argv)."""
+    that argv). MODEL: a folder holding a config.json of no known shape (no router check) unless given; the file
+    ``vllm-imported`` says whether the wrapper's own process imported vLLM."""
+    if model is None:
+        folder = tmp_path / "model"
+        folder.mkdir(exist_ok=True)
+        if not (folder / "config.json").exists():
+            (folder / "config.json").write_text("{}")
+        model = str(folder)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     env.update(TMPDIR=str(tmp), PYTHONPATH=str(REPO))
     driver = (
-        "import sys; import elastic_vllm.telemetry.serve as s; from elastic_vllm.cli import main; "
+        f"import atexit, sys; atexit.register(lambda: open({str(tmp_path / 'vllm-imported')!r}, 'w')"
+        ".write(str('vllm' in sys.modules)))\n"
+        "import elastic_vllm.telemetry.serve as s; from elastic_vllm.cli import main; "
         f"s.vllm_serve_argv = lambda model, extra: [{str(fake)!r}, 'serve', model, *extra]; "
         + (f"s.ENGINE_GONE_GRACE_S = {grace_s!r}; " if grace_s is not None else "")
         # a file once the watch has seen the engine core: the test kills it only after that (no timing)
@@ -115,7 +127,7 @@ def start_wrapper(tmp_path: Path, fake: Path, args: tuple[str, ...] = (), grace_
         + "s.Supervisor._sweep = _sweep; sys.exit(main(sys.argv[1:]))"
     )
     return subprocess.Popen(
-        [sys.executable, "-c", driver, "serve", str(tmp_path / "model"), *args],
+        [sys.executable, "-c", driver, "serve", model, *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     ), tmp  # fmt: skip
 
@@ -138,9 +150,11 @@ def wait_ready(tmp_path: Path, proc: subprocess.Popen, timeout_s: float = 60) ->
     return int(ready.read_text())
 
 
-def run_wrapper(tmp_path: Path, log: str, code: int, args: tuple[str, ...] = ()) -> tuple[int, str, str, dict]:
+def run_wrapper(
+    tmp_path: Path, log: str, code: int, args: tuple[str, ...] = (), model: str | None = None
+) -> tuple[int, str, str, dict]:
     """`elastic-vllm serve` with a stand-in vLLM that prints ``log`` and exits ``code`` on its own."""
-    proc, tmp = start_wrapper(tmp_path, stand_in(tmp_path, log, code), args)
+    proc, tmp = start_wrapper(tmp_path, stand_in(tmp_path, log, code), args, model=model)
     return finish(tmp_path, proc, tmp)
 
 
@@ -237,6 +251,37 @@ def test_bad_additional_config_json_stops_before_vllm_starts(tmp_path, raw, want
     assert not list(seen["tmp"].glob("elastic-vllm-prom-*"))
 
 
+@pytest.mark.parametrize(
+    "make,want",
+    [
+        (lambda tmp: "/nonexistent/model", "model /nonexistent/model: no such file or folder"),
+        (lambda tmp: f"{tmp}/no/such/model", "/no/such/model: no such file or folder"),
+        (lambda tmp: "./no-such-model-here", "model ./no-such-model-here: no such file or folder"),
+        (lambda tmp: str(tmp), "the folder holds no config.json, so it is not a model folder"),
+    ],
+    ids=["absolute", "deep", "relative", "no-config-json"],
+)
+def test_a_missing_local_model_is_one_line_before_vllm(tmp_path, make, want):
+    """A local path that does not exist or holds no model: one line naming the path and what is missing, exit 2,
+    vLLM neither started nor imported (vLLM took 13 s and a 60-line traceback, ending "read the full log")."""
+    (tmp_path / "empty-folder").mkdir()
+    rc, _, err, seen = run_wrapper(tmp_path, CLEAN, 0, model=make(tmp_path / "empty-folder"))
+    assert rc == 2 and not seen["ran"], err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic-vllm serve: error: model ") and want in lines[0], err
+    assert "(fix: pass a model folder (config.json, tokenizer, *.safetensors) or a Hugging Face model id" in lines[0]
+    assert "read the full log" not in err
+    assert (tmp_path / "vllm-imported").read_text() == "False"
+
+
+@pytest.mark.parametrize("model", ["HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2"])
+def test_a_hub_id_goes_to_vllm_unchanged(tmp_path, model):
+    """A model that is not a local path is vLLM's to resolve (no network is asked here)."""
+    rc, _, err, seen = run_wrapper(tmp_path, CLEAN, 3, model=model)
+    assert seen["ran"] and rc == 3, err
+    assert (tmp_path / "child-argv.txt").read_text().splitlines()[1:3] == ["serve", model]
+
+
 @pytest.mark.parametrize("log", ["", ENGINE_DIED], ids=["silent", "logged"])
 def test_engine_death_is_a_nonzero_exit_even_when_vllm_exits_0(tmp_path, log):
     """The engine core process ends (SIGKILL) while nobody asked for a stop; the stand-in API server then exits 0,
@@ -300,6 +345,13 @@ def test_signal_death_maps_to_128_plus_n(tmp_path):
         ),
         (CONFIG_FAIL + "elastic-vllm serve: error: X: y (fix: z; full log: /tmp/l)\n", "ConfigError: invalid"),
         ("elastic-vllm serve: error: elastic_vllm.config.ConfigError: bad (fix: z)\n", "ConfigError: bad"),
+        (  # vLLM's engine start failure points at the exception before it: that one is the root cause
+            "(EngineCore pid=7808) ERROR 12-07 04:44:49 [core.py:1510] ValueError: To serve at least one request with "
+            "the model's max seq len (2048), (0.09 GiB KV cache is needed\n"
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n",
+            "ValueError: To serve at least one request with the model's max seq len (2048)",
+        ),
+        ("RuntimeError: Engine core initialization failed. See root cause above.\n", "RuntimeError: Engine core"),
         ("nothing to see\n", None),
     ],
 )
@@ -308,3 +360,11 @@ def test_root_cause(log, want):
 
     got = root_cause(log)
     assert (got is None) if want is None else (want in got), got
+
+
+def test_every_fix_says_what_to_do():
+    from elastic_vllm.telemetry.serve import fix_for
+
+    for cause in ("ValueError: To serve at least one request ...", "OSError: x", "something else"):
+        fix = fix_for(cause)
+        assert "read the full log" not in fix and "correct the option or file it names" in fix, fix
