@@ -286,7 +286,7 @@ def local_model_problem(model: str) -> str | None:
 def run_serve(model: str | None, extra: list[str]) -> int:
     """Run ``vllm serve`` (see the module docstring); returns the exit code for the wrapper."""
     problem = local_model_problem(model) if model is not None else None
-    if problem:  # vLLM took 13 s and a 60-line traceback to say so
+    if problem:  # vLLM says so only after its import, in a traceback
         print(f"elastic-vllm serve: error: {problem} (fix: {MODEL_FIX})", file=sys.stderr)
         return 2
     if model is None:
