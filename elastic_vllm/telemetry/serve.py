@@ -41,7 +41,7 @@ EXIT_ENGINE_DIED = 1
 ENGINE_PROCESS = "EngineCore"
 WATCH_S = 0.25  # how often the wrapper looks at the server's processes
 # vLLM's API server stops on its own once its engine core is gone (4.2 s after `kill -9` on the idle CPU machine,
-# 20 s and more when its 2 cores run other work); the wrapper does not wait for that: it stops a server this long
+# still up after 15 s at load average 20 on its 2 cores); the wrapper does not wait for that: it stops a server this long
 # after it saw the engine gone (SIGTERM; SIGKILL when it is still up KILL_AFTER_S later), as it serves nothing then
 ENGINE_GONE_GRACE_S = 5.0
 KILL_AFTER_S = 10.0
