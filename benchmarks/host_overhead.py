@@ -52,13 +52,14 @@ def _time(fn, calls: int, repeats: int) -> float:
 
 def _glue_rows(route, router, key_cache, L: int, hkv: int, d: int, bs: int, args) -> dict[str, float]:
     """One layer's routing of one prompt row in the engine, both ways: the per-layer torch glue
-    (``route_layer`` with the Triton router, then the table writes of ``EngineState.route``'s torch
-    path, reproduced op for op here) and the fused path (``TritonRouter.route_into``: the kernel writes
+    (``route_layer`` with the Triton router, then ``RoutingTables.write``: ``EngineState.route``'s torch
+    path) and the fused path (``TritonRouter.route_into``: the kernel writes
     the tables). Kernel launches stubbed as above. These rows measure the installed elastic_vllm package."""
     from elastic_vllm.csrc import route as installed_route
 
     from elastic_vllm.config import ElasticConfig
     from elastic_vllm.reference.rope import RopeSpec
+    from elastic_vllm.router.policy import RoutingTables
     from elastic_vllm.vllm_plugin import routing as R
 
     for n in ("_route_task_kernel", "_route_router_kernel", "_route_pool_kernel"):  # the plugin's import of them
@@ -71,20 +72,15 @@ def _glue_rows(route, router, key_cache, L: int, hkv: int, d: int, bs: int, args
     bt = torch.zeros(4, 8192 // bs, dtype=torch.int32)
     rb = R.build_route_batch([R.RouteRow(row=0, end=8192, force="auto", decode_phase=False, final_slot=1)], bt, bs,
                              "boundary", 100)  # fmt: skip
-    row_modes = torch.zeros(L, 8, hkv, dtype=torch.int32)
-    t_modes = torch.zeros(4, L, hkv, dtype=torch.int8)
-    t_fa = torch.zeros(4, L, hkv, dtype=torch.bool)
-    t_logits = torch.zeros(4, L, hkv, 2)
+    tables = RoutingTables(
+        torch.zeros(L, 8, hkv, dtype=torch.int32), torch.zeros(4, L, hkv, dtype=torch.int8),
+        torch.zeros(4, L, hkv, dtype=torch.bool), torch.zeros(4, L, hkv, 2),
+    )  # fmt: skip
 
     def torch_glue():
-        logits, fa, modes, _ = R.route_layer(3, key_cache, rb, router, rope, cfg, hkv, tr)
-        row_modes[3].index_copy_(0, rb.rows, modes.to(row_modes.dtype))
-        f = rb.final_idx
-        t_modes[rb.final_slots, 3] = modes.index_select(0, f)
-        t_fa[rb.final_slots, 3] = fa.index_select(0, f)
-        t_logits[rb.final_slots, 3] = logits.index_select(0, f)
+        logits, routing, pooled = R.route_layer(3, key_cache, rb, router, rope, cfg, hkv, tr)
+        tables.write(3, rb.rows, rb.final_idx, rb.final_slots, routing, logits, pooled)
 
-    tables = (row_modes, t_modes, t_fa, t_logits)
     return {
         "layer routing, torch glue (route_layer + table writes)": _time(torch_glue, args.calls // 4, args.repeats),
         "layer routing, fused (TritonRouter.route_into)": _time(

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Load ramp (P15): two elastic servers, identical but for ``load_policy.enabled`` (off / on), each driven by
+"""Load ramp: two elastic servers, identical but for ``load_policy.enabled`` (off / on), each driven by
 vLLM's benchmark client through request-rate steps past saturation, long and short prompts mixed, with the live
 ``elastic:load_bias`` polled from /metrics while each step runs.
 
@@ -41,11 +41,11 @@ import urllib.request
 from pathlib import Path
 
 from _harness import ROOT, environment, log, write_json
+from _routers import fixed_share_router
 from serve_bench import (
     DEMO_ELASTIC,
     SHARE,
     bench,
-    fixed_share_router,
     llama_dir,
     metric_sums,
     phases,

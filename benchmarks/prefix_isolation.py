@@ -1,4 +1,4 @@
-"""Prefix-cache hit rate under per-mode cache salts (P13.1), on `elastic-vllm serve` with the demo model.
+"""Prefix-cache hit rate under per-mode cache salts, on `elastic-vllm serve` with the demo model.
 
 Workload: documents of ``--prefix`` tokens, each followed by ``--suffix``-token questions; the requests of a
 document run one after the other in a seeded random order, each with its routing mode (no client salt).
@@ -6,7 +6,7 @@ A mix says how many requests of each mode one document gets; every mix has docum
 mixes do not share blocks. The hit rate is vLLM's: delta ``vllm:prefix_cache_hits_total`` / delta
 ``vllm:prefix_cache_queries_total`` (tokens) over the mix.
 
-Since P13 a request reuses only blocks computed under its own mode, so a mix with overrides loses the hits
+A request reuses only blocks computed under its own mode, so a mix with overrides loses the hits
 that crossed modes; ``auto``-only traffic keeps every hit. Run it once with the tree under test and once
 with an older checkout first on PYTHONPATH (``--repo``) to compare.
 

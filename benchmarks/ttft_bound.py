@@ -89,7 +89,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     args = ap.parse_args()
     report = json.loads(Path(args.e2e_json).read_text())
-    targets = {8192: 1 / 1.05, 32768: 1.4, 131072: 1.6}  # P7: 8K not >5% slower, 32K 1.4x, 128K 1.6x
+    targets = {8192: 1 / 1.05, 32768: 1.4, 131072: 1.6}  # 8K not >5% slower, 32K 1.4x, 128K 1.6x
     rows = bounds(report, targets, args.hq, args.head_dim, args.layers)
     if not rows:
         print("no profiled FLASH_ATTN + elastic pair in", args.e2e_json)

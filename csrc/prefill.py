@@ -150,7 +150,7 @@ def _xa_loop(
     A tile inside one query block A (always, when the chunk starts on a 32-token boundary) takes the fast
     path: the blocks of A's list below A (every key visible to every row) unmasked, their list entries and
     block ids fetched two and one tiles ahead (the address of a tile's K/V never waits on a load of its own
-    iteration, see _attn's docstring: the first version's loop, list -> block table -> K/V in one iteration,
+    iteration, see _attn's docstring: a loop of list -> block table -> K/V in one iteration,
     ran 1.8x slower per tile than the FA heads), then the diagonal block A masked. A tile across two query
     blocks runs every listed tile masked, rows filtered by their block. Straight-line: the paths are loops
     whose trip counts are 0 when not taken (no if/else merging acc, see the caller)."""

@@ -37,6 +37,7 @@ for |angle| > 105615 - high frequencies past position ~105K - is a loop over loc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -227,21 +228,19 @@ def _route_task_kernel(
     tl.store(ws_f + ((i_r * HKV + i_h) * NS1 + i_s).to(tl.int64) * D + o_d, f_part, mask=m_d)
 
 
-@triton.jit(do_not_specialize=["layer", "fa_value", "sa_value", "neg_margin", "decode_dense"])
+@triton.jit(do_not_specialize=["layer", "fa_value", "sa_value", "neg_margin", "e_batch", "e_layers", "decode_dense"])
 def _route_router_kernel(
     weights, ws_f, ws_v, cnt, slots, table, logits, s_w, s_t0, s_t1, s_t2, layer, fa_value, sa_value, neg_margin,
-    e_rows, e_force, e_dphase, e_fslot, e_rmodes, e_tmodes, e_tfa, e_tlogits,
-    s_rm0, s_rm1, s_rm2, s_tm0, s_tm1, s_tm2, s_tf0, s_tf1, s_tf2, s_tl0, s_tl1, s_tl2, decode_dense, e_margin,
+    e_info, e_thr, e_floor, e_step, e_modes, e_fa, e_logits, e_batch, e_layers, decode_dense,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr, NS1: tl.constexpr,
     NS2: tl.constexpr, HAS_LOGITS: tl.constexpr, USE_PDL: tl.constexpr, EPILOGUE: tl.constexpr,
-    ROW_MARGIN: tl.constexpr,
 ):  # fmt: skip
     """Launch 2: Router MLP hidden slice s2; the last slice program of (r, h) finishes the head.
     USE_PDL: launched as a programmatic dependent of launch 1: every weight load is issued before
     ``griddepcontrol.wait``, the first read of launch 1's output, so the weights arrive while launch 1
-    still runs. EPILOGUE: the finishing program also applies the row's forced routing and decode-phase
-    modes and writes the engine's per-step and per-request tables (``RouteEpilogue``). ROW_MARGIN: each row's
-    threshold is ``e_margin[r]`` (its -sa_margin + bias, float32) instead of ``neg_margin``."""
+    still runs. EPILOGUE: the finishing program also applies the routing policy (``router/policy.py``:
+    each row's own threshold ``e_thr[r]``, the floor, the row's force, decode-phase modes) and writes the
+    engine's per-step and per-request tables (``RouteEpilogue``; ``e_*`` are its tensors, None without it)."""
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_r = tl.program_id(2)
@@ -284,8 +283,8 @@ def _route_router_kernel(
         z1 = tl.sum(v * w5b, 0) + b5b
         # FA iff z1 - z0 > -sa_margin in float32, as router.model.decide (margin 0: ties -> SA, as torch.argmax);
         # non-finite logits (NaN / inf) -> FA, the mode that drops nothing
-        if ROW_MARGIN:  # per-request biases: each row its own float32 threshold
-            thr = tl.load(e_margin + i_r)
+        if EPILOGUE:  # each row its own float32 threshold bias - sa_margin (policy.thresholds)
+            thr = tl.load(e_thr + i_r)
         else:
             thr = neg_margin
         is_fa = ((z1 - z0) > thr) | ~((tl.abs(z0) < float("inf")) & (tl.abs(z1) < float("inf")))
@@ -296,49 +295,50 @@ def _route_router_kernel(
             tl.store(logits + i_rh * 2, z0)
             tl.store(logits + i_rh * 2 + 1, z1)
         if EPILOGUE:
-            # force: 0 auto, 1 all-FA, 2 all-SA; decode-phase rows: dense -> FA, sparse -> SSA stays, else FA
-            frc = tl.load(e_force + i_r).to(tl.int32)
-            fa = tl.where(frc == 1, True, tl.where(frc == 2, False, is_fa))
+            # router/policy.py's route_heads without budgets: floor heads FA; force 0 auto, 1 all-FA, 2 all-SA
+            # over that; decode-phase rows: dense -> FA, sparse -> SSA stays, else FA
+            R = tl.num_programs(2)
+            fa = is_fa | (tl.load(e_floor + layer * HKV + i_h).to(tl.int32) != 0)
+            frc = tl.load(e_info + R + i_r)
+            fa = tl.where(frc == 1, True, tl.where(frc == 2, False, fa))
             mode = tl.where(fa, fa_value, sa_value)
             dmode = tl.where((decode_dense == 0) & (mode == 1), 1, 0)
-            rmode = tl.where(tl.load(e_dphase + i_r) != 0, dmode, mode)
-            i_row = tl.load(e_rows + i_r).to(tl.int64)
-            tl.store(e_rmodes + layer * s_rm0 + i_row * s_rm1 + i_h * s_rm2, rmode.to(e_rmodes.dtype.element_ty))
-            i_fs = tl.load(e_fslot + i_r).to(tl.int64)
+            smode = tl.where(tl.load(e_info + 2 * R + i_r) != 0, dmode, mode)
+            i_row = tl.load(e_info + i_r).to(tl.int64)
+            tl.store(e_step + (layer * e_batch + i_row) * HKV + i_h, smode.to(e_step.dtype.element_ty))
+            i_fs = tl.load(e_info + 3 * R + i_r).to(tl.int64)
             if i_fs >= 0:  # the request's final routing: its per-request tables
-                tl.store(e_tmodes + i_fs * s_tm0 + layer * s_tm1 + i_h * s_tm2, mode.to(e_tmodes.dtype.element_ty))
-                tl.store(e_tfa + i_fs * s_tf0 + layer * s_tf1 + i_h * s_tf2, fa.to(e_tfa.dtype.element_ty))
-                p_tl = e_tlogits + i_fs * s_tl0 + layer * s_tl1 + i_h * s_tl2
-                tl.store(p_tl, z0)
-                tl.store(p_tl + 1, z1)
+                o_t = (i_fs * e_layers + layer) * HKV + i_h
+                tl.store(e_modes + o_t, mode.to(e_modes.dtype.element_ty))
+                tl.store(e_fa + o_t, fa.to(e_fa.dtype.element_ty))
+                tl.store(e_logits + o_t * 2, z0)
+                tl.store(e_logits + o_t * 2 + 1, z1)
         tl.atomic_xchg(cnt + i_rh, 0)  # re-armed for the next layer (stream order)
 
 
 @dataclass
 class RouteEpilogue:
-    """What the finishing program writes besides the decision table (vLLM's per-layer glue, fused).
+    """What the finishing program writes besides the decision table: the routing policy of
+    ``elastic_vllm/router/policy.py`` (``route_heads`` without budgets) and its tables, fused.
 
-    For routed row r (of R) and KV head h at ``layer``: fa = router says FA, overridden by ``force[r]``
-    (0 auto, 1 all-FA, 2 all-SA); mode = fa_value if fa else sa_value; the row's mode for this step's
-    attention = mode, or for ``decode_phase[r]`` rows FA (``decode_dense``) or SSA-stays-SSA-else-FA
-    (sparse); ``row_modes[layer, rows[r], h]`` = that mode; where ``final_slot[r] >= 0`` also
-    ``table_modes[s, layer, h]`` = mode, ``table_fa[s, layer, h]`` = fa, ``table_logits[s, layer, h]`` =
-    the two logits. ``rows``, ``final_slot`` int32 [R]; ``force``, ``decode_phase`` int8/bool [R];
-    the tables any integer / bool / float32 dtypes of those shapes (last dims contiguous not required).
-    ``neg_margins`` float32 [R]: row r is FA iff z_FA - z_SA > neg_margins[r] (instead of > -sa_margin).
+    For routed row r (of R) and KV head h at ``layer``: fa = z_FA - z_SA > ``thresholds[r]`` (NaN / inf: FA),
+    or ``floor[layer, h]``; overridden by the row's force (0 auto, 1 all-FA, 2 all-SA); mode = fa_value if fa
+    else sa_value; the row's mode for this step = mode, or for decode-phase rows FA (``decode_dense``) or
+    SSA-stays-SSA-else-FA (sparse); ``tables.step_modes[layer, batch row, h]`` = that mode; where the row's
+    final slot s >= 0 also ``tables.modes[s, layer, h]`` = mode, ``tables.fa[s, layer, h]`` = fa,
+    ``tables.logits[s, layer, h]`` = the two logits.
+
+    ``row_info`` int32 [4, R]: batch row, force, decode phase (0 / 1), final slot (-1: none), contiguous;
+    ``thresholds`` float32 [R]; ``floor`` [L, Hkv] int8 / uint8 / bool; ``tables``: a
+    ``policy.RoutingTables`` (step_modes [L, B, Hkv], modes and fa [S, L, Hkv], logits [S, L, Hkv, 2]; any
+    integer / bool / float32 dtypes of those shapes, contiguous).
     """
 
-    rows: torch.Tensor
-    force: torch.Tensor
-    decode_phase: torch.Tensor
-    final_slot: torch.Tensor
-    row_modes: torch.Tensor  # [L, B, Hkv]
-    table_modes: torch.Tensor  # [S, L, Hkv]
-    table_fa: torch.Tensor  # [S, L, Hkv]
-    table_logits: torch.Tensor  # [S, L, Hkv, 2], last dim contiguous
+    row_info: torch.Tensor
+    thresholds: torch.Tensor
+    floor: torch.Tensor
+    tables: Any
     decode_dense: bool
-    # per-row thresholds -sa_margin + bias, float32 [R] (per-request biases); None: the launch's sa_margin for all
-    neg_margins: torch.Tensor | None = None
 
 
 ROW_ALIGN = 16  # floats: packed rows start 64-byte aligned
@@ -510,8 +510,9 @@ class Router:
         sa_margin: float | None = None,
     ) -> None:
         """Route at one layer. ``stages`` picks launches (the benchmark times each alone); ``epilogue``:
-        the engine tables to write as well (``RouteEpilogue``; checked by ``check_epilogue``, not here);
-        ``fa_value`` / ``sa_value`` / ``sa_margin`` override the constructor's values for this call."""
+        the engine tables to write as well (``RouteEpilogue``; checked by ``check_epilogue``, not here; its
+        per-row thresholds replace ``sa_margin``); ``fa_value`` / ``sa_value`` / ``sa_margin`` override the
+        constructor's values for this call."""
         R = req_rows.shape[0]
         if R == 0:
             return
@@ -531,23 +532,19 @@ class Router:
                 ks[0], ks[1], ks[2], bts, sw, layer, self.pool_tokens, self.scaling, **self.task_meta,
             )  # fmt: skip
         ts = self.table.stride()
-        has_lg = logits_out is not None
         if "router" in stages:
             fv = self.fa_value if fa_value is None else int(fa_value)
             sv = self.sa_value if sa_value is None else int(sa_value)
             nm = self.neg_margin if sa_margin is None else _neg_margin(sa_margin)
-            row_margin = epilogue is not None and epilogue.neg_margins is not None
             if epilogue is None:
-                ep = (ws_v,) * 8 + (0,) * 12 + (0, ws_v)
+                ep = (None,) * 7 + (0, 0, 0)
             else:
-                e = epilogue
-                ep = (e.rows, e.force, e.decode_phase, e.final_slot, e.row_modes, e.table_modes, e.table_fa,
-                      e.table_logits, *e.row_modes.stride(), *e.table_modes.stride(), *e.table_fa.stride(),
-                      *e.table_logits.stride()[:3], int(e.decode_dense), e.neg_margins if row_margin else ws_v)  # fmt: skip
+                e, t = epilogue, epilogue.tables
+                ep = (e.row_info, e.thresholds, e.floor, t.step_modes, t.modes, t.fa, t.logits, t.step_modes.shape[1],
+                      t.modes.shape[1], int(e.decode_dense))  # fmt: skip
             _route_router_kernel[(self.ns2, self.hkv, R)](
-                self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out if has_lg else ws_v, sw,
-                ts[0], ts[1], ts[2], layer, fv, sv, nm, *ep, HAS_LOGITS=has_lg, EPILOGUE=epilogue is not None,
-                ROW_MARGIN=row_margin, **self.router_meta,
+                self.weights, ws_f, ws_v, cnt, slots, self.table, logits_out, sw, ts[0], ts[1], ts[2], layer, fv, sv,
+                nm, *ep, HAS_LOGITS=logits_out is not None, EPILOGUE=epilogue is not None, **self.router_meta,
             )  # fmt: skip
 
 
@@ -562,23 +559,20 @@ def _neg_margin(sa_margin) -> float:
 
 def check_epilogue(e: RouteEpilogue, R: int, num_layers: int, num_kv_heads: int, device) -> None:
     """The shapes, dtypes and devices ``Router.__call__`` assumes for ``epilogue`` (a clear error each)."""
-    for name in ("rows", "final_slot"):
-        check_tensor(getattr(e, name), name, dim=1, dtypes=(torch.int32,), shape=(R,), device=device)
-    for name in ("force", "decode_phase"):
-        check_tensor(getattr(e, name), name, dim=1, dtypes=(torch.int8, torch.uint8, torch.bool), shape=(R,),
-                     device=device)  # fmt: skip
-    check_tensor(e.row_modes, "row_modes", dim=3, dtypes=MODE_DTYPES, shape=(num_layers, None, num_kv_heads),
-                 device=device)  # fmt: skip
-    check_tensor(e.table_modes, "table_modes", dim=3, dtypes=MODE_DTYPES, shape=(None, num_layers, num_kv_heads),
-                 device=device)  # fmt: skip
-    check_tensor(e.table_fa, "table_fa", dim=3, dtypes=(torch.bool, *MODE_DTYPES),
-                 shape=(e.table_modes.shape[0], num_layers, num_kv_heads), device=device)  # fmt: skip
-    check_tensor(e.table_logits, "table_logits", dim=4, dtypes=(torch.float32,),
-                 shape=(e.table_modes.shape[0], num_layers, num_kv_heads, 2), device=device, last_contiguous=True)  # fmt: skip
-    if e.neg_margins is not None:
-        check_tensor(e.neg_margins, "neg_margins", dim=1, dtypes=(torch.float32,), shape=(R,), device=device)
-        if not e.neg_margins.is_contiguous():
-            raise ValueError("neg_margins: must be contiguous")
+    t = e.tables
+    named = (
+        (e.row_info, "row_info", dict(dim=2, dtypes=(torch.int32,), shape=(4, R))),
+        (e.thresholds, "thresholds", dict(dim=1, dtypes=(torch.float32,), shape=(R,))),
+        (e.floor, "floor", dict(dim=2, dtypes=(torch.int8, torch.uint8, torch.bool), shape=(num_layers, num_kv_heads))),
+        (t.step_modes, "step_modes", dict(dim=3, dtypes=MODE_DTYPES, shape=(num_layers, None, num_kv_heads))),
+        (t.modes, "modes", dict(dim=3, dtypes=MODE_DTYPES, shape=(None, num_layers, num_kv_heads))),
+        (t.fa, "fa", dict(dim=3, dtypes=(torch.bool, *MODE_DTYPES), shape=(t.modes.shape[0], num_layers, num_kv_heads))),
+        (t.logits, "logits", dict(dim=4, dtypes=(torch.float32,), shape=(t.modes.shape[0], num_layers, num_kv_heads, 2))),
+    )  # fmt: skip
+    for tensor, name, kw in named:
+        check_tensor(tensor, name, device=device, **kw)
+        if not tensor.is_contiguous():  # the kernel derives the strides from the shapes
+            raise ValueError(f"{name}: must be contiguous, got strides {tensor.stride()}")
 
 
 def check_key_cache(key_cache: torch.Tensor) -> None:
@@ -629,8 +623,8 @@ def route(
         logits_out: optional [R, Hkv, 2] float32, receives the router logits.
         num_chunks: hidden slices per MLP pair (see ``Router``).
         norm: optional [L, Hkv, 2, d] float32 input standardization from ``pack_router_norm``.
-        epilogue: optional engine tables to write as well (``RouteEpilogue``: forced rows, decode-phase
-            modes, the per-step row modes and the per-request tables).
+        epilogue: optional engine tables to write as well (``RouteEpilogue``: per-row thresholds, the floor,
+            forced rows, decode-phase modes, the per-step row modes and the per-request tables).
         sa_margin: ``ElasticConfig.sa_margin`` (finite float; 0 = the argmax).
 
     Returns:

@@ -12,7 +12,7 @@ A program computes the [query groups x key groups] estimates tile by tile twice 
 then normalised block masses), keeps the block masses of its row in a small global scratch, and
 selects without a sort: a bisection over the masses' bit patterns finds the smallest kept mass, so no
 tile is sized by the sequence and one compiled kernel serves every length (a bitonic sort over the
-next power of two of the key blocks, the first version, compiled once per power of two: the first
+next power of two of the key blocks, compiled once per power of two: the first
 request of each new length range stalled by it in the engine, 1.3-4.5 s in e2e-vllm-h200-demo.json).
 
 Output (the prefill kernel's XA metadata)::

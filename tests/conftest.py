@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import os
 import random
 import shutil
@@ -58,3 +59,65 @@ def demo_model_dir():
 def nan_like(t: torch.Tensor) -> torch.Tensor:
     """Fresh output poisoned with NaN: an element a kernel forgets to write fails the comparison."""
     return torch.full_like(t, float("nan"))
+
+
+# Stand-ins for the training mixture's sources (the builder, its families and the eval suites that reuse them)
+WORDS = "alpha beta gamma delta river stone cloud field light paper window garden".split()
+
+
+def _sentences(rng, n):
+    return " ".join(" ".join(rng.choice(WORDS) for _ in range(8)).capitalize() + "." for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Same layout and formats as the fetched sources, a few KB each."""
+    rng = random.Random(0)
+    root = tmp_path_factory.mktemp("sources")
+    lce = root / "lce"
+    lce.mkdir()
+    squad = {"version": "v2.0", "data": []}
+    for a in range(20):
+        paras = []
+        for p in range(3):
+            ctx = _sentences(rng, 3) + f" The keeper of hall {a}-{p} is Mira{a}{p}."
+            qas = [{"id": f"q{a}{p}", "question": f"Who keeps hall {a}-{p}?", "answers": [{"text": f"Mira{a}{p}"}]}]
+            paras.append({"context": ctx, "qas": qas})
+        squad["data"].append({"title": f"Article {a}", "paragraphs": paras})
+    (lce / "squad.json").write_text(json.dumps(squad))
+    hotpot = []
+    for i in range(40):
+        ctx = [[f"Title {i}-{j}", [_sentences(rng, 2)]] for j in range(4)]
+        kind = "comparison" if i % 3 == 0 else "bridge"
+        hotpot.append(
+            {
+                "_id": f"h{i}",
+                "question": f"Question {i} about {rng.choice(WORDS)}?",
+                "answer": f"ans{i}",
+                "context": ctx,
+                "type": kind,
+            }
+        )
+    (lce / "hotpotqa.json").write_text(json.dumps(hotpot))
+    essays = "".join(f"{m} 20{10 + i}" + _sentences(rng, 40) for i, m in enumerate(["March", "May", "June"] * 4))
+    (lce / "PaulGrahamEssays.json").write_text(json.dumps({"text": essays}))
+    sotu = root / "sotu"
+    sotu.mkdir()
+    for y in range(1900, 1912):
+        (sotu / f"{y}_someone_x.json").write_text(json.dumps({"year": y, "text": _sentences(rng, 60)}))
+    rst = root / "linuxdoc" / "rst" / "admin"
+    rst.mkdir(parents=True)
+    for i in range(12):
+        body = "\n\n".join(_sentences(rng, 5) for _ in range(8))
+        lead = f"This document describes how the subsystem number {i} works and how to configure it safely."
+        (rst / f"doc{i}.rst").write_text(
+            f".. _doc{i}:\n\n=========\nDoc {i}\n=========\n\n:Author: X\n\n{lead}\n\n{body}\n"
+        )
+    std = root / "stdlib" / "pkg"  # stands in for the Python standard library
+    std.mkdir(parents=True)
+    for i in range(12):
+        funcs = "".join(f"def f{j}(x):\n    return x + {j}\n\n\n" for j in range(40))
+        (std / f"mod{i}.py").write_text(
+            f'"""Helpers number {i}: small functions that add constants to numbers."""\n\n{funcs}'
+        )
+    return root

@@ -198,8 +198,8 @@ def provenance(argv: list[str], device: torch.device) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)"
     return {
         "command": " ".join(shlex.quote(a) for a in argv),
-        # GIT_COMMIT first: the GPU machine's copy of the tree may carry a stale .git (it reported an older
-        # commit on 2026-11-30)
+        # GIT_COMMIT first: the GPU machine's copy of the tree may carry a stale .git (one reported an older
+        # commit than the tree's)
         "git_commit": os.environ.get("GIT_COMMIT") or git("rev-parse", "HEAD") or "unknown",
         "git_dirty": False
         if os.environ.get("GIT_COMMIT")

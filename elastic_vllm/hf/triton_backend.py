@@ -12,7 +12,7 @@ list, wherever its padding is. Hence:
   padding requests attend among padding tokens; their outputs are zeroed);
 - the block size is the same 1 for every length, so the kernels compile once per shape class, not once
   per sequence length (with ``block_size = K``, a compile-time constant of the kernels, every decode step
-  compiled new kernels: more than 12x slower per prompt than the torch path on the H200, 2026-12-01,
+  compiled new kernels: more than 12x slower per prompt than the torch path on the H200,
   benchmarks/results/experiments/accuracy-5-h200-triton-impl-partial).
 
 XA blocks come from the same selection as the torch path (``ops.xa_block_masks``), converted to the

@@ -62,6 +62,7 @@ from elastic_vllm.router.checkpoint import (
 )
 from elastic_vllm.router.discovery import resolve_router_path
 from elastic_vllm.router.model import budget_sa_counts
+from elastic_vllm.router.policy import RoutingTables, decode_modes
 from elastic_vllm.vllm_plugin import compat, observe, parallel
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import (
@@ -75,14 +76,7 @@ from elastic_vllm.vllm_plugin.overrides import (
 )
 from elastic_vllm.vllm_plugin.parallel import global_kv_heads, is_first_replica
 from elastic_vllm.vllm_plugin.recording import Recorder, StepTimer
-from elastic_vllm.vllm_plugin.routing import (
-    RouteBatch,
-    RouteRow,
-    TritonRouter,
-    build_route_batch,
-    decode_modes,
-    route_layer,
-)
+from elastic_vllm.vllm_plugin.routing import RouteBatch, RouteRow, TritonRouter, build_route_batch, route_layer
 
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
 
@@ -289,6 +283,12 @@ class EngineState(compat.RunnerObserver):
             else None
         )
         self.row_modes = torch.zeros(L, max_rows, H, dtype=torch.int32, device=device)
+        self.tables = RoutingTables(
+            self.row_modes, self.table_modes, self.table_fa, self.table_logits, self.table_pooled
+        )
+        # the fa_floor mask of this rank's KV heads, [L, Hkv] int8 (all 0: no floor)
+        self.floor = torch.zeros(L, H, dtype=torch.int8, device=device)
+        self.has_floor = False
         self.free_slots = list(range(self.num_slots - 2, -1, -1))
         self.timer = StepTimer(device)
         self.kernel_router = (
@@ -528,26 +528,15 @@ class EngineState(compat.RunnerObserver):
     def route(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch) -> None:
         t0 = self.timer.start()
         if self.kernel_router is not None and rb.any_auto and not rb.needs_glue:
-            # the fused path: the router kernel writes row_modes and the final routings' tables itself
-            tables = (self.row_modes, self.table_modes, self.table_fa, self.table_logits)
-            self.kernel_router.route_into(layer, key_cache, rb, self.cfg, tables)
+            # the fused path: the router kernel writes the tables itself
+            self.kernel_router.route_into(layer, key_cache, rb, self.cfg, self.tables, self.floor)
             observe.COUNTERS.fused_route_layers += 1
-            self.timer.stop(t0)
-            return
-        logits, fa, modes, pooled = route_layer(
-            layer, key_cache, rb, self.router, self.rope, self.cfg, self.num_kv_heads, self.kernel_router
-        )
-        row_modes = modes
-        if rb.any_decode_phase:
-            row_modes = torch.where(rb.decode_phase[:, None], decode_modes(modes, self.cfg.decode_mode), modes)
-        self.row_modes[layer].index_copy_(0, rb.rows, row_modes.to(self.row_modes.dtype))
-        if rb.final_idx.numel():
-            f = rb.final_idx
-            self.table_modes[rb.final_slots, layer] = modes.index_select(0, f)
-            self.table_fa[rb.final_slots, layer] = fa.index_select(0, f)
-            self.table_logits[rb.final_slots, layer] = logits.index_select(0, f)
-            if self.table_pooled is not None and pooled is not None:
-                self.table_pooled[rb.final_slots, layer] = pooled.index_select(0, f)
+        else:
+            logits, routing, pooled = route_layer(
+                layer, key_cache, rb, self.router, self.rope, self.cfg, self.num_kv_heads, self.kernel_router,
+                self.floor if self.has_floor else None,
+            )  # fmt: skip
+            self.tables.write(layer, rb.rows, rb.final_idx, rb.final_slots, routing, logits, pooled)
         self.timer.stop(t0)
 
     def on_xa_mask(self, layer: int, row: int, head: int, q_start: int, q_end: int, mask: torch.Tensor) -> None:

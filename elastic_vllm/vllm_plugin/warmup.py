@@ -68,13 +68,14 @@ def _batch(seq_lens: list[int], q_lens: list[int], block_size: int, num_blocks: 
 
 
 def router_warmup_rows(route_row) -> list[list]:
-    """The routing rows the warm-up routes, one list per compiled variant of the fused router: rows sharing one
-    bias (the kernel takes the step's threshold) and rows of different biases (a threshold per row: clients'
-    own ``elastic_bias`` or the load policy's levels), so neither compiles while serving."""
+    """The routing rows the warm-up routes, one list per compiled variant of the router kernels: rows of different
+    biases through the fused kernel (its epilogue takes a threshold per row, so a client's ``elastic_bias`` or a
+    load-policy level compiles nothing while serving), and a row with a fixed SA budget (``elastic_target_omega``:
+    the kernel's logits, then the torch glue)."""
     a, b = PROMPT_LENS
     return [
-        [route_row(1, a, "auto", False, None), route_row(2, b, "auto", False, None)],
         [route_row(1, a, "auto", False, None, bias=0.0), route_row(2, b, "auto", False, None, bias=1.0)],
+        [route_row(1, a, "auto", False, None, target=0.5), route_row(2, b, "auto", False, None)],
     ]
 
 
@@ -133,10 +134,10 @@ def warm_up(st, dtype: torch.dtype, num_q_heads: int, head_size: int) -> dict:
         triton_attention(q, key_cache, value_cache, bt, qsl, sl, mixed, wp, out, 1, 1, max(q_lens), max(seq),
                          cfg.uses_xattn, pq)  # fmt: skip
         if st.router is not None and st.kernel_router is not None:
-            # the fused router (its epilogue writes row_modes of this layer: rewritten by every step's plan), once
-            # per variant: one threshold for the step, and a threshold per row (rows of different biases)
+            # the router kernels (the routing writes row_modes of this layer: rewritten by every step's plan), once
+            # per variant: the fused epilogue, and the logits of the budget glue
             for rows in router_warmup_rows(RouteRow):
-                rb = build_route_batch(rows, bt, bs, cfg.pooling, cfg.pool_tokens)
+                rb = build_route_batch(rows, bt, bs, cfg.pooling, cfg.pool_tokens, budget_sa=st.budget_counts)
                 st.route(0, key_cache, rb)
         report = {"compile_s": 0.0, "dense": None, "dense_reason": "", "fa_split": None}
         if dense_requested():

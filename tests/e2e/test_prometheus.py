@@ -1,4 +1,4 @@
-"""P5 end to end: `elastic-vllm serve` (real vLLM CPU engine, demo model) scraped by a REAL Prometheus
+"""End to end: `elastic-vllm serve` (real vLLM CPU engine, demo model) scraped by a REAL Prometheus
 (Debian's `prometheus`, started here on loopback with the shipped scrape config). Every PromQL expression of
 the shipped Grafana dashboard must return data through Prometheus' HTTP API, and the Omega_MSR recorded for
 each request must equal the routing the engine applied: 0 for all-FA, 1 for all-SA, and for auto the

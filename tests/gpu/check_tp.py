@@ -79,7 +79,7 @@ LLAMA3_ROPE = {
 }  # fmt: skip
 
 
-# --- model, router, prompts (pure; unit-tested on the CPU by tests/test_gpu_scripts.py) ---------------------
+# --- model, router, prompts (pure; unit-tested on the CPU by tests/gpu/test_gpu_scripts.py) ---------------------
 def llama_config(dims: dict, max_positions: int, dtype: str) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **dims,

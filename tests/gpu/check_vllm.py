@@ -14,7 +14,7 @@ directly (no pip install needed on a bare checkout). Checks, one JSON row each (
   one precision may flip it), where the comparison stops; where compared, max |logprob difference| <=
   max(0.05, 2 x the noise floor), the noise floor being the same comparison for vLLM's own TRITON_ATTN backend
   against FLASH_ATTN (two correct bf16 kernels; measured in the same run, as the flash-attention test rule does
-  for kernels). The first run (2026-11-29) saw 0.217 for elastic with a fixed 0.05 bound: bf16 through 30 layers
+  for kernels). A run saw 0.217 for elastic with a fixed 0.05 bound: bf16 through 30 layers
   of a 135M model moves logprobs by more than a fixed guess allowed, hence the measured floor.
 - graphs: decode steps replay FULL CUDA graphs: the elastic forward (Python) runs for prefill steps only, and
   the outputs equal the same compiled engine's without graphs (cudagraph_mode NONE) up to the first near-tie

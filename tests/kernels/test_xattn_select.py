@@ -162,7 +162,7 @@ def test_xattn_select_errors_name_the_argument():
 def test_one_compiled_variant_serves_every_length(monkeypatch):
     """The selection kernel is launched with the same compile-time constants at every sequence length, and
     the ints that change with the lengths (list and scratch strides) are not specialised, so the engine
-    compiles it once. (The first version sized its sort by the next power of two of the key blocks: a
+    compiles it once. (A sort sized by the next power of two of the key blocks: a
     recompile in the engine at each new power of two: the demo model's first FA-XA requests at 2K / 4K / 7.8K took
     4.59 / 1.37 / 1.51 s in e2e-vllm-h200-demo.json, 0.06 s after this change in e2e-vllm-h200-demo-fused-glue.json.)"""
     import elastic_vllm.csrc.xattn_select as xs

@@ -1,4 +1,4 @@
-"""Fixtures of the reliability tests (P8).
+"""Fixtures of the reliability tests.
 
 Everything that boots vLLM starts in the background as soon as the session has collected the tests
 that need it, so that the boots overlap each other and the fast tests (a `vllm serve` start costs

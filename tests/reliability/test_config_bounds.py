@@ -1,4 +1,4 @@
-"""P13.2 every numeric ElasticConfig field is bounded by what the engine can run, and typed strictly.
+"""Every numeric ElasticConfig field is bounded by what the engine can run, and typed strictly.
 
 A value that validates must run: ``{"sink": 1e30}`` validated (as the integer 10**30) and killed the server
 on its first long request (OverflowError in the SSA mask); ``"window": true`` was accepted as 1 and

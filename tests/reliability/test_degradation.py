@@ -1,4 +1,4 @@
-"""P13.4 no silent degradation, and the per-request budget knob bounded, below the server:
+"""No silent degradation, and the per-request budget knob bounded, below the server:
 
 - NaN / inf router logits send the head to FA (not SA, as argmax and NaN comparisons did), the engine
   counts them and warns once;
@@ -68,7 +68,7 @@ def _nan_router_routing(rows, budget_sa=None):
     rb = build_route_batch(rows, table, 16, "boundary", 4, budget_sa)
     rope = RopeSpec(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), 1.0, 8, 8)
     per_layer = [route_layer(layer, key_cache, rb, router, rope, ElasticConfig(), 2) for layer in range(2)]
-    return torch.stack([out[0] for out in per_layer], 1), torch.stack([out[1] for out in per_layer], 1)
+    return torch.stack([out[0] for out in per_layer], 1), torch.stack([out[1].fa for out in per_layer], 1)
 
 
 def test_router_with_nan_output_runs_fa_and_is_counted(caplog):

@@ -1,4 +1,4 @@
-"""P13.3 fail fast: a bad configuration, router checkpoint or metrics folder stops startup in the process
+"""Fail fast: a bad configuration, router checkpoint or metrics folder stops startup in the process
 that builds the engine configuration (vLLM's API server, or the offline ``LLM``'s), before any engine
 starts, with one line naming the problem; `elastic-vllm serve` and `elastic-vllm demo` end with that
 root-cause line and the path of the full log.

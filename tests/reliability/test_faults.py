@@ -1,4 +1,4 @@
-"""P8.4 faults on the shared `elastic-vllm serve` (KV cache of 17 blocks x 128 tokens, just above one
+"""Faults on the shared `elastic-vllm serve` (KV cache of 17 blocks x 128 tokens, just above one
 max_model_len request):
 
 - KV-cache pressure: two long greedy requests whose prompts fit together but whose generations do not,

@@ -1,4 +1,4 @@
-"""P8.5 fuzzing of the inputs tests/test_fuzz.py does not reach: the per-request override (``vllm_xargs``,
+"""Fuzzing of the inputs tests/test_fuzz.py does not reach: the per-request override (``vllm_xargs``,
 any JSON a client can send) and the ``additional_config`` of the engine (``elastic`` section plus
 ``elastic_ops``). tests/test_fuzz.py covers the config parser (ElasticConfig.parse on dicts and raw
 strings) and the router checkpoint loader (corrupted weights, fuzzed router.json)."""

@@ -1,4 +1,4 @@
-"""P13.1 prefix-cache isolation on the shared `elastic-vllm serve` (demo model, random router, sink 16 /
+"""Prefix-cache isolation on the shared `elastic-vllm serve` (demo model, random router, sink 16 /
 window 64, prefix caching on, as vLLM's default).
 
 The K/V of a prompt depend on the routing mode it ran with (an SA head of layer l changes every later

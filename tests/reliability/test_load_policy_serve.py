@@ -1,4 +1,4 @@
-"""P15 load policy through a real `elastic-vllm serve` of its own (engine core in its own process, metrics through
+"""Load policy through a real `elastic-vllm serve` of its own (engine core in its own process, metrics through
 prometheus_client's multiprocess folder): under a prefill backlog the `elastic:load_bias` gauge on /metrics rises
 to max_bias, a plain request sent then runs with it (``override="load-bias"``), a request with its own
 ``elastic_bias`` keeps it, and once idle the gauge and the next request are back at 0.

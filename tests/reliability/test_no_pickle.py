@@ -1,4 +1,4 @@
-"""P8.1 no pickle: nothing in the package (elastic_vllm/, and the kernels in csrc/) deserializes with pickle.
+"""No pickle: nothing in the package (elastic_vllm/, and the kernels in csrc/) deserializes with pickle.
 Router weights are read through safetensors only (router/checkpoint.py); ``torch.load`` is allowed only
 with ``weights_only=True`` (a literal), ``numpy.load`` never with ``allow_pickle=True``."""
 

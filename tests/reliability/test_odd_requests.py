@@ -1,4 +1,4 @@
-"""P8.2 odd requests against a real `elastic-vllm serve` (the shared server: demo model, random router,
+"""Odd requests against a real `elastic-vllm serve` (the shared server: demo model, random router,
 max_model_len 2048): each gets a correct answer (200 with generated text) or a clean 4xx naming the
 problem, never a 5xx; the server answers /health after each; the routing of an answered request is
 recorded once per engine request (an ``n``-sample request is n engine requests); a refused request
@@ -106,7 +106,7 @@ CASES = {
             ("completions", lambda **kw: completion("Hi", stream=True, **kw), "elastic-force", "elastic-force"),
         ])
     },
-    # P15 elasticity knobs: each bad value a 400 naming the field (NaN / Infinity: as Python's json writes them,
+    # elasticity knobs: each bad value a 400 naming the field (NaN / Infinity: as Python's json writes them,
     # which FastAPI reads back; a null is refused by vLLM's own request model, naming the field too)
     "bias_ok": ("completions", completion(SHORT, **xargs(elastic_bias=-2.5)), OK, 1),
     "target_ok": ("chat", chat([{"role": "user", "content": "Hi"}], **xargs(elastic_target_omega=0.5)), OK, 1),

@@ -1,4 +1,4 @@
-"""P13.5 operator control on the shared `elastic-vllm serve` (default ``client_overrides``: today's
+"""Operator control on the shared `elastic-vllm serve` (default ``client_overrides``: today's
 behaviour, every override allowed), and the admission check below the server:
 
 - a 400 echoes at most a short prefix of a bad value (a 5 MB value used to come back whole);

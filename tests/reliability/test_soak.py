@@ -1,4 +1,4 @@
-"""P8.3 soak on the shared `elastic-vllm serve`: N requests (ELASTIC_SOAK_N, default 60) at 16 concurrent,
+"""Soak on the shared `elastic-vllm serve`: N requests (ELASTIC_SOAK_N, default 60) at 16 concurrent,
 prompt lengths 10..1500 tokens (spread evenly in log), routing modes auto / all-FA / all-SA in turn through the
 per-request override, every 10th request streamed and cancelled by the client after its first token.
 

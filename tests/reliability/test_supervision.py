@@ -1,4 +1,4 @@
-"""P13.5 operator control and P13.6 faults, on an `elastic-vllm serve` of its own: the operator forces
+"""Operator control and faults, on an `elastic-vllm serve` of its own: the operator forces
 all-SA and allows clients no override (``client_overrides: []``), then its engine core is killed.
 
 - a client asking for all-FA or a fixed SA share gets 400 naming ``client_overrides``; a plain request

@@ -1,4 +1,4 @@
-"""Test-time elasticity control (P15): ``elastic_bias`` / ``elastic_target_omega`` per request, ``bias`` /
+"""Test-time elasticity control: ``elastic_bias`` / ``elastic_target_omega`` per request, ``bias`` /
 ``target_omega`` per deployment. The budget and bias decisions against plain-Python references (exact counts
 per request, the tensor-parallel split exact), their validation (each bad value names the field), the cache
 salt, and the engine state applying them next to a default request (no engine: test_elasticity_engine.py)."""

@@ -102,11 +102,11 @@ def test_route_batch_host_flags_skip_only_no_op_glue():
     forced = [RouteRow(0, 40, "all-SA", True, 3), RouteRow(1, 30, "auto", False, None)]
     rbf = build_route_batch(forced, batch.block_table, 16, "boundary", 100)
     assert (rbf.any_forced, rbf.any_decode_phase) == (True, True)
-    _, fa, modes, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
-    _, fa_f, _, _ = route_layer(1, batch.key_cache, rbf, router, rope, cfg, 2)
+    _, (fa, modes, _), _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+    _, (fa_f, _, _), _ = route_layer(1, batch.key_cache, rbf, router, rope, cfg, 2)
     assert not fa_f[0].any() and torch.equal(fa_f[1], fa[1])  # forced row all SA, the auto row unchanged
     rb.any_forced = True  # the full path on the same auto rows: same decisions
-    _, fa_full, modes_full, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+    _, (fa_full, modes_full, _), _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
     assert torch.equal(fa_full, fa) and torch.equal(modes_full, modes)
 
 

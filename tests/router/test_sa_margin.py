@@ -13,6 +13,7 @@ from elastic_vllm.reference.paged import make_paged_batch
 from elastic_vllm.reference.rope import RopeSpec
 from elastic_vllm.reference.route import route_logits_ref
 from elastic_vllm.router.model import ElasticRouter, decide
+from elastic_vllm.router.policy import RoutingTables
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,7 @@ def test_vllm_route_layer_applies_the_margin(kernel):
     seen = []
     for margin in (0.0, m, -m):
         cfg = ElasticConfig(sa_margin=margin)
-        logits, fa, _modes, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2, kernel=k)
+        logits, (fa, _modes, _), _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2, kernel=k)
         sure = ((z[..., 1] - z[..., 0]) + margin).abs() > 1e-4
         assert torch.equal(fa[sure], decide(z, margin)[sure])
         assert torch.equal(fa, decide(logits, margin))
@@ -86,9 +87,9 @@ def test_vllm_route_layer_applies_the_margin(kernel):
     assert seen[1] > seen[0] > seen[2]
 
 
-def poisoned_tables(R: int) -> tuple[torch.Tensor, ...]:
+def poisoned_tables(R: int) -> RoutingTables:
     """(row_modes, table_modes, table_fa, table_logits) of R rows, 2 layers, 2 KV heads; modes -7: unwritten."""
-    return (
+    return RoutingTables(
         torch.full((2, R, 2), -7, dtype=torch.int8),
         torch.full((R, 2, 2), -7, dtype=torch.int8),
         torch.zeros(R, 2, 2, dtype=torch.bool),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-GPU_DIR = Path(__file__).resolve().parent / "gpu"
+GPU_DIR = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")

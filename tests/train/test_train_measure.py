@@ -13,7 +13,7 @@ from elastic_vllm.hf.testing import save_tiny_model
 from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
 from elastic_vllm.router.model import ElasticRouter
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "measure_trained_router.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "measure_trained_router.py"
 
 
 @pytest.fixture(autouse=True, scope="module")

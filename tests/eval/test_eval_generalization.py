@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from test_eval_harness import ESSAY
-from test_train_data import sources  # noqa: F401  (the module fixture)
 
 from elastic_vllm.eval import generalization as G
 from elastic_vllm.eval import harness
@@ -20,7 +19,7 @@ from elastic_vllm.train.build import build_generalization
 from elastic_vllm.train.families import HELD_OUT
 
 
-def tiny_suite_argv(d, sources) -> list[str]:  # noqa: F811
+def tiny_suite_argv(d, sources) -> list[str]:
     """A tiny random llama (3 layers x 2 KV heads), a random router, a generalization split and calibration prompts
     under ``d``: the harness arguments that read them (without --suite and --out)."""
     save_tiny_model("llama", d / "model", seed=2)
@@ -44,7 +43,7 @@ def tiny_suite_argv(d, sources) -> list[str]:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, sources):  # noqa: F811
+def run(tmp_path_factory, sources):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices on a shared CPU (test_eval_harness.py says why)
     d = tmp_path_factory.mktemp("gen")

@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CALL_LIMIT = 64 * 2**20
 REAL_GGUF_BYTES = 98_362_432  # SmolLM2-135M-Instruct.Q4_1.gguf (elastic_vllm.models checks its sha256)
 WHEELS_BYTES = 3 * 2**20  # pydantic + pydantic-core + annotated-types + typing-inspection: 2.6 MB

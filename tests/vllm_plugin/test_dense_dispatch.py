@@ -164,16 +164,20 @@ def test_warm_up_runs_every_kernel_call(monkeypatch):
 
 
 def test_warmup_routes_both_router_variants():
-    """The fused router compiles one variant for a step whose rows share one bias and one (ROW_MARGIN) for rows
-    of different biases; the warm-up routes a batch of each, built as the engine builds them, so a client's
-    elastic_bias or a load-policy level compiles nothing while serving (GPU: vLLM's JIT monitor)."""
+    """The router compiles one variant for the fused epilogue (rows of different biases: a threshold per row) and
+    one for the logits the budget glue reads (``elastic_target_omega``); the warm-up routes a batch of each, built
+    as the engine builds them, so neither compiles while serving (GPU: vLLM's JIT monitor)."""
+    from elastic_vllm.router.model import budget_sa_counts
     from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch
 
     table = torch.arange(1, 1 + 3 * 32, dtype=torch.int32).view(3, 32)  # a decode row, then the two prompts
-    batches = [build_route_batch(rows, table, 16, "mean", 100) for rows in warmup.router_warmup_rows(RouteRow)]
-    per_row = [rb.biases is not None for rb in batches]
-    assert sorted(per_row) == [False, True], per_row
-    assert not any(rb.needs_glue for rb in batches)  # both through the fused kernel, not the torch glue
+    batches = [
+        build_route_batch(rows, table, 16, "mean", 100, budget_sa=lambda t: budget_sa_counts(t, 2, 0, 1, 2))
+        for rows in warmup.router_warmup_rows(RouteRow)
+    ]
+    assert sorted(rb.needs_glue for rb in batches) == [False, True]  # the fused kernel and the glue's logits
+    fused = next(rb for rb in batches if not rb.needs_glue)
+    assert fused.uniform_bias is None  # rows of different biases: the per-row thresholds
 
 
 # --- FA heads of hybrid steps on the dense kernel (ops.fa_heads_attention) --------------------------------------

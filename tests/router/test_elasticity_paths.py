@@ -1,4 +1,4 @@
-"""Per-request bias and fixed budgets (P15) in every routing path against the reference decisions
+"""Per-request bias and fixed budgets in every routing path against the reference decisions
 (``router.model.decide`` / ``decide_budget``): the vLLM backend's torch glue, its fused Triton router
 (TRITON_INTERPRET=1) with a bias every row shares, and the transformers integration (``set_config``)."""
 
@@ -32,7 +32,7 @@ def test_fused_router_applies_a_shared_bias_like_the_glue():
         want = decide(z, effective_margin(cfg.sa_margin, bias))
         sure = ((z[..., 1] - z[..., 0]) - bias + cfg.sa_margin).abs() > 1e-4
         assert torch.equal(tables[2][:, 1][sure], want[sure])
-        _, fa, _, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+        _, (fa, _, _), _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
         assert torch.equal(fa[sure], want[sure])
 
 
@@ -51,7 +51,7 @@ def test_fused_router_applies_a_bias_per_row():
     cfg = ElasticConfig(sa_margin=0.25 * m)
     tables = poisoned_tables(R)
     k.route_into(1, batch.key_cache, rb, cfg, tables)
-    _, glue, _, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+    _, (glue, _, _), _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
     seen = set()
     for i, bias in enumerate(biases):
         want = decide(z[i], effective_margin(cfg.sa_margin, bias))
@@ -65,10 +65,10 @@ def test_fused_router_applies_a_bias_per_row():
 
     from elastic_vllm.csrc.route import RouteEpilogue, check_epilogue
 
-    ep = RouteEpilogue(rb.rows_i32, rb.force, rb.decode_phase, rb.final_slot_row, *tables, False, rb.neg_margins)
+    ep = RouteEpilogue(rb.row_info, rb.thresholds(cfg.sa_margin), k.no_floor, tables, False)
     check_epilogue(ep, R, 2, 2, torch.device("cpu"))
-    with pytest.raises(ValueError, match="neg_margins"):
-        check_epilogue(replace(ep, neg_margins=rb.neg_margins.double()), R, 2, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="thresholds"):
+        check_epilogue(replace(ep, thresholds=ep.thresholds.double()), R, 2, 2, torch.device("cpu"))
 
 
 def test_glue_mixes_biases_budgets_and_plain_rows():
@@ -80,9 +80,9 @@ def test_glue_mixes_biases_budgets_and_plain_rows():
     rb = build_route_batch(
         rows, batch.block_table, 16, "boundary", 100, budget_sa=lambda t: budget_sa_counts(t, 2, 0, 1, 2)
     )
-    assert rb.needs_glue and rb.budget_idx is not None
+    assert rb.needs_glue and rb.budget is not None
     cfg = ElasticConfig()
-    logits, fa, _, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+    logits, (fa, _, _), _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
     for i, r in enumerate(rows):
         if r.target is not None:
             n_sa = budget_sa_counts(0.5, 2, 0, 1, 2)[1]

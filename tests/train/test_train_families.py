@@ -6,7 +6,6 @@ import random
 from collections import Counter
 
 import pytest
-from test_train_data import sources  # noqa: F401  (the module fixture)
 
 from elastic_vllm.hf.testing import byte_tokenizer
 from elastic_vllm.train.build import Builder, build, build_generalization, parse_task_counts
@@ -26,7 +25,7 @@ from elastic_vllm.train.families import (
 )
 
 
-def _builder(sources, split="train", seed=0):  # noqa: F811
+def _builder(sources, split="train", seed=0):
     return Builder(sources, byte_tokenizer(), seed, 300, 1500, split, sources / "stdlib")
 
 
@@ -39,7 +38,7 @@ def test_every_axis_value_is_trained_in_some_family():
 
 
 @pytest.mark.parametrize("kind", SENSITIVE_KINDS)
-def test_retrieval_kinds_put_the_answer_in_the_context(sources, kind):  # noqa: F811
+def test_retrieval_kinds_put_the_answer_in_the_context(sources, kind):
     fam = Families(_builder(sources))
     for i, hay in enumerate(KIND_HAYSTACKS.get(kind, HAYSTACKS)):
         rng = random.Random(f"t:{kind}:{i}")
@@ -51,7 +50,7 @@ def test_retrieval_kinds_put_the_answer_in_the_context(sources, kind):  # noqa: 
 
 
 @pytest.mark.parametrize("kind", ROBUST_KINDS)
-def test_robust_kinds_build_over_their_haystacks(sources, kind):  # noqa: F811
+def test_robust_kinds_build_over_their_haystacks(sources, kind):
     fam = Families(_builder(sources))
     for i, hay in enumerate(KIND_HAYSTACKS.get(kind, HAYSTACKS)):
         units, ask, answer, source = fam.robust(random.Random(f"r:{kind}:{i}"), kind, hay)
@@ -80,7 +79,7 @@ def test_templates_and_forms_place_the_question():
     assert multi[-1] == {"role": "user", "content": "Q?"} and multi[-2]["role"] == "assistant"
 
 
-def test_mixture_v3_deterministic_covering_and_never_held_out(sources, tmp_path):  # noqa: F811
+def test_mixture_v3_deterministic_covering_and_never_held_out(sources, tmp_path):
     def b(out, seed=0):
         return build(
             out, byte_tokenizer(), sources, per_task=2, eval_per_task=1, min_tokens=300, max_tokens=1500,
@@ -109,7 +108,7 @@ def test_mixture_v3_deterministic_covering_and_never_held_out(sources, tmp_path)
     assert "train_families" in m1["splits"] and m1["held_out_families"] == sorted(HELD_OUT)
 
 
-def test_generalization_split_is_held_out_only(sources, tmp_path):  # noqa: F811
+def test_generalization_split_is_held_out_only(sources, tmp_path):
     m = build_generalization(
         tmp_path / "g", byte_tokenizer(), sources, per_family=2, min_tokens=300, max_tokens=1500,
         stdlib=sources / "stdlib",

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 from test_eval_generalization import tiny_suite_argv
-from test_train_data import sources  # noqa: F401  (the module fixture)
 
 from elastic_vllm.eval import budgets as B
 from elastic_vllm.eval import harness
@@ -19,7 +18,7 @@ TARGETS = (0.25, 0.5, 0.9)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, sources):  # noqa: F811
+def run(tmp_path_factory, sources):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices on a shared CPU (test_eval_harness.py says why)
     d = tmp_path_factory.mktemp("budgets")

@@ -85,7 +85,7 @@ def _samples(out: Path) -> dict:
 
 @pytest.mark.slow  # the Triton kernels under the interpreter for the whole run: 554 s on the shared 2-core machine
 def test_triton_impl_scores_as_the_torch_impl(run, tmp_path):
-    """--impl triton (P2's kernels, under the interpreter here) on the same prompts: every method's routing,
+    """--impl triton (the Triton kernels, under the interpreter here) on the same prompts: every method's routing,
     predictions and scores as with --impl torch (float32 on the CPU: the kernels' numerics are within
     rounding of PyTorch's)."""
     argv = json.loads((run / "argv.json").read_text())
