@@ -22,6 +22,7 @@ as its child:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -45,6 +46,9 @@ WATCH_S = 0.25  # how often the wrapper looks at the server's processes
 # after it saw the engine gone (SIGTERM; SIGKILL when it is still up KILL_AFTER_S later), as it serves nothing then
 ENGINE_GONE_GRACE_S = 5.0
 KILL_AFTER_S = 10.0
+# processes of the server's tree still alive this long after the API server exited (vLLM's VLLM::Worker outlived its
+# killed engine core by 52 s, holding the output pipe, so the wrapper did not end): SIGTERM, SIGKILL KILL_AFTER_S later
+LEFTOVER_GRACE_S = 3.0
 # what vLLM (0.26, 0.32) logs when the engine core process is gone (core_client / async_llm): used only to pick
 # the line that explains a failure, never to decide one
 ENGINE_DIED = re.compile(r"EngineDeadError|Engine core proc \S+ died unexpectedly|engine core .*died", re.IGNORECASE)
@@ -163,6 +167,9 @@ class Supervisor:
         self.engines_seen = 0
         self.signalled = 0  # stop signals the wrapper sent to a server that outlived its engine
         self._engines: dict = {}  # pid -> (psutil.Process, name) of the engine core processes alive at the last look
+        self._tree: dict = {}  # pid -> psutil.Process of every process seen under the server (orphans included)
+        self.server_exited_at: float | None = None
+        self.leftovers_signalled = 0  # signals sent to processes of the tree that outlived the API server
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="elastic-vllm-serve-watch", daemon=True)
@@ -184,7 +191,9 @@ class Supervisor:
     def _watch(self) -> None:
         while not self._done.wait(WATCH_S):
             self._sweep()
-            if self.engine_gone_at is not None and self.stop_asked is None and self.proc.poll() is None:
+            if self.proc.poll() is not None:
+                self._end_leftovers()
+            elif self.engine_gone_at is not None and self.stop_asked is None:
                 waited = time.monotonic() - self.engine_gone_at
                 if self.signalled == 0 and waited > ENGINE_GONE_GRACE_S:
                     self.proc.send_signal(signal.SIGTERM)
@@ -192,6 +201,29 @@ class Supervisor:
                 elif self.signalled == 1 and waited > ENGINE_GONE_GRACE_S + KILL_AFTER_S:
                     self.proc.send_signal(signal.SIGKILL)
                     self.signalled += 1
+
+    def _end_leftovers(self) -> None:
+        """The API server has exited: what is left of its tree (orphans: nobody serves their results, and they
+        hold the output pipe the wrapper reads to its end) gets SIGTERM after LEFTOVER_GRACE_S, SIGKILL KILL_AFTER_S
+        later."""
+        import psutil
+
+        now = time.monotonic()
+        if self.server_exited_at is None:
+            self.server_exited_at = now
+        waited = now - self.server_exited_at
+        if self.leftovers_signalled == 0 and waited > LEFTOVER_GRACE_S:
+            sig = signal.SIGTERM
+        elif self.leftovers_signalled == 1 and waited > LEFTOVER_GRACE_S + KILL_AFTER_S:
+            sig = signal.SIGKILL
+        else:
+            return
+        self.leftovers_signalled += 1
+        with self._lock:
+            for p in self._tree.values():
+                if _alive(p):
+                    with contextlib.suppress(psutil.Error):
+                        p.send_signal(sig)  # psutil checks the pid still names the process it saw
 
     def _sweep(self) -> None:
         """Note the engine core processes under the server, and the first one to end before any stop was asked."""
@@ -203,6 +235,7 @@ class Supervisor:
             except psutil.Error:
                 children = []  # the server has exited: its engines are still checked below
             for c in children:
+                self._tree.setdefault(c.pid, c)
                 if c.pid not in self._engines and _is_engine(c):
                     self._engines[c.pid] = (c, _name(c))
                     self.engines_seen += 1

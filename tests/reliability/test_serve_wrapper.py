@@ -53,9 +53,18 @@ ENGINE = (
 )
 
 
-def stand_in(tmp_path: Path, log: str, code: int, engine: bool = False, wait: bool = False, on_stop: str = "") -> Path:
+def stand_in(
+    tmp_path: Path,
+    log: str,
+    code: int,
+    engine: bool = False,
+    wait: bool = False,
+    on_stop: str = "",
+    leftover: bool = False,
+) -> Path:
     """A stand-in ``vllm serve``: records its environment, prints ``log``, starts a stand-in engine core when
-    ``engine``, writes ``ready`` (its engine's pid); then, with ``wait``, runs until SIGTERM / SIGINT and stops
+    ``engine`` (and, with ``leftover``, a process that outlives it holding its output), writes ``ready`` (its
+    engine's pid); then, with ``wait``, runs until SIGTERM / SIGINT and stops
     as vLLM does: force-kills the engine, prints ``on_stop``, exits ``code``; with an engine and no ``wait``,
     exits ``code`` when the engine ends (vLLM's API server exits 0 when its engine core dies); else at once."""
     fake = tmp_path / "bin" / "vllm"
@@ -74,6 +83,9 @@ def stand_in(tmp_path: Path, log: str, code: int, engine: bool = False, wait: bo
                 ["VLLM::EngineCore", "-c", {ENGINE!r}], executable=sys.executable, stdout=subprocess.PIPE
             )
             engine.stdout.readline()  # its SIGINT handler is set (a group SIGINT must not hit its start-up)
+        if {leftover!r}:  # a process that outlives this one and holds its output (vLLM's orphaned VLLM::Worker)
+            orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            open({str(tmp_path / "leftover")!r}, "w").write(str(orphan.pid))
         open({str(tmp_path / "ready")!r}, "w").write(str(engine.pid if engine else 0))
 
         def stop(*_):
@@ -98,9 +110,7 @@ def stand_in(tmp_path: Path, log: str, code: int, engine: bool = False, wait: bo
     return fake
 
 
-def start_wrapper(
-    tmp_path: Path, fake: Path, args: tuple[str, ...] = (), grace_s: float | None = None, model: str | None = None
-):
+def start_wrapper(tmp_path: Path, fake: Path, args: tuple[str, ...] = (), model: str | None = None, **consts: float):
     """`elastic-vllm serve MODEL` (its own process group) whose argv builder points at the stand-in; the rest of the
     wrapper runs unchanged (the wrapper runs vLLM as `python -m vllm.entrypoints.cli.main`, test_telemetry checks
     that argv). MODEL: a folder holding a config.json of no known shape (no router check) unless given; the file
@@ -120,7 +130,7 @@ def start_wrapper(
         ".write(str('vllm' in sys.modules)))\n"
         "import elastic_vllm.telemetry.serve as s; from elastic_vllm.cli import main; "
         f"s.vllm_serve_argv = lambda model, extra: [{str(fake)!r}, 'serve', model, *extra]; "
-        + (f"s.ENGINE_GONE_GRACE_S = {grace_s!r}; " if grace_s is not None else "")
+        + "".join(f"s.{name} = {value!r}; " for name, value in consts.items())  # e.g. ENGINE_GONE_GRACE_S
         # a file once the watch has seen the engine core: the test kills it only after that (no timing)
         + f"sweep = s.Supervisor._sweep; seen = {str(tmp_path / 'seen')!r}\n"
         + "def _sweep(self):\n    sweep(self)\n    self.engines_seen and open(seen, 'w').close()\n"
@@ -299,15 +309,37 @@ def test_engine_death_is_a_nonzero_exit_even_when_vllm_exits_0(tmp_path, log):
 def test_a_server_that_outlives_its_engine_is_stopped(tmp_path):
     """vLLM's API server stops on its own after its engine core died (4.2 s on the CPU build); one that does not
     is stopped by the wrapper after ENGINE_GONE_GRACE_S (here 1 s), and the exit is still 1."""
-    proc, tmp = start_wrapper(tmp_path, stand_in(tmp_path, CLEAN, 0, engine=True, wait=True), grace_s=1.0)
+    proc, tmp = start_wrapper(tmp_path, stand_in(tmp_path, CLEAN, 0, engine=True, wait=True), ENGINE_GONE_GRACE_S=1.0)
     os.kill(wait_ready(tmp_path, proc), signal.SIGKILL)
     rc, _, err, _ = finish(tmp_path, proc, tmp, timeout_s=60)
     assert rc == 1, err
     assert "before any stop was asked" in err.strip().splitlines()[-1], err
 
 
+@pytest.mark.parametrize("kill_engine", [False, True], ids=["stop", "engine-killed"])
+def test_processes_left_after_the_server_do_not_keep_the_wrapper(tmp_path, kill_engine):
+    """A process of the server's tree that outlives the API server (and holds its output pipe, which the wrapper
+    reads to the end) is ended LEFTOVER_GRACE_S (here 0.5 s) after the server exited; the exit code is unchanged."""
+    fake = stand_in(tmp_path, CLEAN, 0, engine=True, wait=not kill_engine, leftover=True)
+    proc, tmp = start_wrapper(tmp_path, fake, LEFTOVER_GRACE_S=0.5)
+    engine = wait_ready(tmp_path, proc)
+    orphan = int((tmp_path / "leftover").read_text())
+    if kill_engine:
+        os.kill(engine, signal.SIGKILL)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    rc, _, err, _ = finish(tmp_path, proc, tmp, timeout_s=60)  # the orphan sleeps 600 s: without the wrapper's
+    assert rc == (1 if kill_engine else 0), err  # SIGTERM this would time out
+    import psutil
+
+    try:
+        assert psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE  # ended; init has not reaped it yet
+    except psutil.NoSuchProcess:
+        pass
+
+
 def test_an_engine_death_before_the_stop_is_not_hidden_by_the_stop(tmp_path):
-    proc, tmp = start_wrapper(tmp_path, stand_in(tmp_path, CLEAN, 0, engine=True, wait=True), grace_s=60.0)
+    proc, tmp = start_wrapper(tmp_path, stand_in(tmp_path, CLEAN, 0, engine=True, wait=True), ENGINE_GONE_GRACE_S=60.0)
     os.kill(wait_ready(tmp_path, proc), signal.SIGKILL)
     time.sleep(1.5)  # the watch sees the engine gone
     proc.send_signal(signal.SIGTERM)
