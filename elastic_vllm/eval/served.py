@@ -6,7 +6,7 @@ static ranking at the same Omega_MSR (and any other server configuration), over 
 
 Prompts: ``eval/heldout.py`` (14 sensitive retrieval cells, 6 robust continuation families). Each variant is a
 server configuration (``--additional-config '{"elastic": {...}}'`` over the demo settings sink 128, window 512)
-plus per-request ``vllm_xargs``; the variants that share a configuration share one ``elastic-vllm serve``:
+plus per-request ``vllm_xargs``, each variant on a fresh ``elastic-vllm serve`` (no state carried between them):
 
 | variant | server | request |
 |---|---|---|
@@ -40,6 +40,7 @@ import gzip
 import hashlib
 import json
 import math
+import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -353,7 +354,6 @@ def run(opts, argv: list[str], log=print) -> dict:
     log(f"dense: {len(qualified)} of {len(dense_found)} sensitive families at >= {opts.min_dense:g}% "
         f"({', '.join(f'{f} {x:.0f}%' for f, x in sorted(dense_found.items()))})")  # fmt: skip
 
-    # the same server for every variant of the base configuration (the requests differ only in vllm_xargs)
     routed = [v for v in vs[1:]]
     for v in routed:
         run_on(v, [(p, None, v.xargs) for p in mix], {**base, **v.server})
@@ -362,13 +362,23 @@ def run(opts, argv: list[str], log=print) -> dict:
     if "static" in names:
         import torch
 
-        if opts.static_scores:
-            scores = torch.tensor(json.loads(Path(opts.static_scores).read_text())["retrieval_scores"])
-            where = str(opts.static_scores)
+        earlier = next((f for f in (out / "static-scores.json", out / "results.json") if f.is_file()), None)
+        src = opts.static_scores or (earlier if opts.resume else None)
+        if src:  # a results.json of this suite ({"static": {"retrieval_scores": ...}}) or {"retrieval_scores": ...}
+            d = json.loads(Path(src).read_text())
+            d = d.get("static") or d
+            if "retrieval_scores" not in d:
+                raise ValueError(f"{src}: no retrieval_scores (expected a results.json of --suite generalization)")
+            scores = torch.tensor(d["retrieval_scores"])
+            where = str(src) if src != earlier else d.get("scores_from", str(src))
         else:
             t0 = time.perf_counter()
             scores = retrieval_ranking(model, tok)
             where = f"measured in this run ({time.perf_counter() - t0:.0f} s)"
+            # kept for --resume: a re-measurement may differ in the last bits, and the samples name the ranking
+            (out / "static-scores.json").write_text(
+                json.dumps({"retrieval_scores": scores.tolist(), "scores_from": where})
+            )
         heads = scores.numel()
         router = static_router(model, scores, out / "static-router")
         ranking = hashlib.sha256(json.dumps(scores.tolist()).encode()).hexdigest()[:16]
@@ -532,6 +542,9 @@ def write(res: dict, samples: Samples, out: Path, log) -> dict:
         for r in samples.rows.values():
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     samples.path.unlink(missing_ok=True)
+    # results.json holds the ranking; the router folder (~30 MB) is rebuilt from it
+    (out / "static-scores.json").unlink(missing_ok=True)
+    shutil.rmtree(out / "static-router", ignore_errors=True)
     try:
         res["plots"] = [str(plot(res, out / "generalization.png").name)]
     except ImportError as e:
@@ -650,20 +663,21 @@ def plot(res: dict, path: Path) -> Path:
     )
     colors = ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     for ax, (title, fs) in zip(axes[:, 0], groups):
-        w = 0.8 / len(cols)
-        for k, (name, key) in enumerate(cols):
+        here = [(k, c) for k, c in enumerate(cols) if any(c[1] in fams[f]["variants"] for f in fs)]
+        w = 0.8 / len(here)
+        for j, (k, (name, key)) in enumerate(here):
             metric = "found" if title.startswith("sensitive") else "score"
             ys = [fams[f]["variants"].get(key, {}).get(metric, float("nan")) for f in fs]
             om = [100 * fams[f]["variants"].get(key, {}).get("omega_msr", float("nan")) for f in fs]
-            xs = [i + (k - (len(cols) - 1) / 2) * w for i in range(len(fs))]
+            xs = [i + (j - (len(here) - 1) / 2) * w for i in range(len(fs))]
             ax.bar(xs, [float("nan") if y is None else y for y in ys], width=w, color=colors[k % len(colors)],
                    alpha=0.75, label=name)  # fmt: skip
-            ax.plot(xs, om, "D", color=colors[k % len(colors)], markeredgecolor="white", markersize=5)
+            ax.plot(xs, om, "D", color=colors[k % len(colors)], markeredgecolor="black", markersize=5)
         ax.set_xticks(range(len(fs)), fs, rotation=30, ha="right", fontsize=8)
         ax.set_ylim(0, 105)
         ax.set_ylabel("found % / ROUGE-L (bars); Omega_MSR x 100 (dots)", fontsize=8)
         ax.set_title(title)
-    axes[0, 0].legend(fontsize=7, loc="lower left", ncol=len(cols))
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
