@@ -296,6 +296,8 @@ def run(opts, argv: list[str], log=print) -> dict:
         by_fam[p.family].append(p)
     dense_pred = {}
     skipped: list[str] = []  # dense prompts of families that can no longer reach --min-dense
+    earlier = out / "results.json"
+    earlier_variants = json.loads(earlier.read_text()).get("variants", {}) if opts.resume and earlier.is_file() else {}
 
     def record(v: Variant, p: H.Prompt, res: dict, n_sa: int | None = None) -> dict:
         r = {"variant": v.name, "variant_key": v.key(), "family": p.family, "category": p.category, "kind": p.kind,
@@ -316,7 +318,8 @@ def run(opts, argv: list[str], log=print) -> dict:
     def run_on(v: Variant, todo: list[tuple[H.Prompt, int | None, dict]], elastic_cfg: dict) -> None:
         todo = [(p, n, x) for p, n, x in todo if samples.get(v, p, n) is None]
         servers[v.name] = {"elastic": elastic_cfg, "xargs": v.xargs}
-        if not todo:
+        if not todo:  # every sample resumed: the command of the run that made them
+            servers[v.name]["command"] = earlier_variants.get(v.name, {}).get("command")
             return
         log(f"[{time.perf_counter() - t_start:7.0f}s] {v.name}: starting a server for {len(todo)} requests")
         srv = Server(model, elastic_cfg, args, out / f"serve-{v.name}.log")
@@ -337,7 +340,7 @@ def run(opts, argv: list[str], log=print) -> dict:
                     log(f"[{time.perf_counter() - t_start:7.0f}s] {v.name}: {done}/{len(todo)} (eta {eta:.0f} s)")
         finally:
             srv.stop()
-            (out / f"serve-{v.name}.log").unlink(missing_ok=True)
+        (out / f"serve-{v.name}.log").unlink(missing_ok=True)  # kept when the run failed
 
     # dense first: it qualifies the sensitive families and is the robust reference
     dense = vs[0]
