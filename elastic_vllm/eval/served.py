@@ -109,7 +109,7 @@ def retrieval_ranking(model_dir: Path, tokenizer, n: int = 8, tokens: int = 1536
     gen = H.units("prose", random.Random(f"calibration:{seed}"))
     essay = " ".join(gen() for _ in range(40 * n))
     rows = calibration_prompts(tokenizer, essay, (tokens,), n, seed=seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     return retrieval_scores(model, tokenizer, rows, torch.device("cpu"))
 
