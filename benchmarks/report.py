@@ -621,6 +621,18 @@ def budgets_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+SERVED_GENERALIZATION = "generalization-served-smollm2-cpu/results.json"
+
+
+def served_generalization_table() -> str:
+    """The served generalization suite's per-family table and its summary (``eval/served.py`` renders both)."""
+    sys.path.insert(0, str(ROOT))
+    from elastic_vllm.eval.served import family_table, summary_lines
+
+    res = load(SERVED_GENERALIZATION)
+    return family_table(res) + "\n" + "\n".join(summary_lines(res)) + "\n"
+
+
 # --- the README's headline -----------------------------------------------------------------------------------
 def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
     """At most 8 rows: what, result, file (or files)."""
@@ -799,6 +811,7 @@ SECTIONS = {  # (file, name) -> the section's text, given the file
     (DOCS / "training.md", "routers"): lambda doc: results_table(router_rows(), doc),
     (DOCS / "accuracy.md", "accuracy"): lambda doc: results_table(accuracy_rows(), doc),
     (DOCS / "accuracy.md", "budgets"): lambda doc: budgets_table(),
+    (DOCS / "accuracy.md", "generalization"): lambda doc: served_generalization_table(),
 }
 
 

@@ -11,7 +11,7 @@
 #   bash tools/gpu_session.sh gguf_part   # no vLLM: the eval's model in pieces (tools/gpu_gguf.sh builds
 #   bash tools/gpu_session.sh eval_gguf   # .gpu-gguf/p1..p3), one call per piece (carry .gpu-gguf/pN), the last
 #                                           # with eval_gguf (carry .gpu-gguf/p3 .whl): ~2 min less than staging vLLM
-#   bash tools/gpu_session.sh generalization  # eval --suite generalization (held-out families) of ROUTERS
+#   bash tools/gpu_session.sh generalization  # eval --suite generalization-split (held-out families of the split) of ROUTERS
 #                                           # (space-separated folders, run side by side on the GPU), MARGINS
 #   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2); SECTIONS / QUICK
 #   bash tools/gpu_session.sh fa_split    # benchmarks/fa_split.py: hybrid prompt steps, fused kernel vs FA heads on
@@ -244,7 +244,7 @@ case "$step" in
     i=0
     for R in ${ROUTERS:?ROUTERS: router folders}; do
       i=$((i + 1)); name=$(basename "$R")
-      (python3 benchmarks/accuracy.py --suite generalization --model "$M" --router "$R" --out "/tmp/gen-$name" \
+      (python3 benchmarks/accuracy.py --suite generalization-split --model "$M" --router "$R" --out "/tmp/gen-$name" \
         --device cuda --samples ${SAMPLES:-8} ${MARGINS:+--margins $MARGINS} --time-budget ${BUDGET:-420} \
         > "/tmp/gen-$name.log" 2>&1; echo "rc=$?" >> "/tmp/gen-$name.log"
        tar -C /tmp -czf "$OUT/gen-$name.tgz" "gen-$name" "gen-$name.log") &

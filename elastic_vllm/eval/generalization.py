@@ -2,7 +2,7 @@
 
 Why one file of ~440 lines: the suite's run, aggregation per family, margin trade-off and report read one table.
 
-    elastic-vllm eval --suite generalization --model DIR --router DIR --out OUT [--device cuda]
+    elastic-vllm eval --suite generalization-split --model DIR --router DIR --out OUT [--device cuda]
 
 Reads the generalization split (``build-data --generalization N``; the demo model's is committed as
 benchmarks/data/smollm2_generalization.jsonl.gz): samples of the haystack/form families that no
@@ -175,7 +175,7 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
     t_start = time.perf_counter()
     device = torch.device(opts.device)
     if not opts.router:
-        raise ValueError("--suite generalization needs the trained router (--router DIR)")
+        raise ValueError("--suite generalization-split needs the trained router (--router DIR)")
     data = Path(opts.gen_data or GEN_DATA)
     if opts.quick:
         opts.samples, opts.calib_samples = 1, 1
@@ -253,7 +253,7 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
     res = {
         "kind": "elastic-vllm generalization",
         "complete": not skipped,
-        "provenance": provenance(argv or ["elastic-vllm", "eval", "--suite", "generalization"], device),
+        "provenance": provenance(argv or ["elastic-vllm", "eval", "--suite", "generalization-split"], device),
         "model": str(opts.model),
         "router": str(opts.router),
         "router_meta": router_meta,

@@ -284,10 +284,46 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--suite",
         default="accuracy",
-        choices=["accuracy", "generalization", "budgets"],
-        help="accuracy: RULER + robust tasks (this module); generalization: the held-out task families, per "
-        "family, Elastic vs dense vs the static hybrid at Elastic's Omega_MSR (eval/generalization.py); budgets: "
-        "score vs realized Omega_MSR at fixed SA budgets, router-ranked vs static vs random heads (eval/budgets.py)",
+        choices=["accuracy", "generalization", "generalization-split", "budgets"],
+        help="accuracy: RULER + robust tasks (this module); generalization: the held-out retrieval x haystack "
+        "families through `elastic-vllm serve`, dense vs Elastic vs the static ranking at the same Omega_MSR "
+        "(eval/served.py); generalization-split: the build-data generalization split in transformers, per family "
+        "(eval/generalization.py); budgets: score vs realized Omega_MSR at fixed SA budgets, router-ranked vs "
+        "static vs random heads (eval/budgets.py)",
+    )
+    g = p.add_argument_group("--suite generalization (served)")
+    g.add_argument(
+        "--variants",
+        nargs="+",
+        help="of dense, elastic, static and the --variant names (default: dense elastic static and every --variant)",
+    )
+    g.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME=JSON",
+        help="one more server configuration: ElasticConfig fields over sink/window, e.g. 'floor={\"fa_floor\": 9}' "
+        "(repeatable)",
+    )
+    g.add_argument("--per-cell", type=int, default=20, help="prompts per family")
+    g.add_argument("--slice", nargs="+", metavar="PATTERN", help="only the families matching these fnmatch patterns")
+    g.add_argument("--prompt-tokens", type=int, default=1200, help="tokens of each prompt's user message (about)")
+    g.add_argument(
+        "--min-dense", type=float, default=70.0, help="a sensitive family counts when dense finds >= this %%"
+    )
+    g.add_argument("--seed", type=int, default=0, help="prompt seed")
+    g.add_argument("--max-model-len", type=int, default=4096, help="the server's --max-model-len")
+    g.add_argument(
+        "--static-scores", help="a results.json whose static.retrieval_scores rank the heads (default: measure them)"
+    )
+    g.add_argument(
+        "--static-robust",
+        action="store_true",
+        help="also run the static ranking on the robust families (their Omega is the routed variant's by design)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep OUT's samples whose prompt and configuration are unchanged; run only the missing ones",
     )
     p.add_argument(
         "--targets",
@@ -306,7 +342,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="generalization: skip samples longer than this (tokens, chat template and answer included; a CPU run)",
     )
-    p.add_argument("--model", required=True, help="model folder (transformers)")
+    p.add_argument("--model", help="model folder (transformers; --suite generalization: default the demo model)")
     p.add_argument("--router", help="trained router folder (router.json + router.safetensors)")
     p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="JSONL(.gz/.xz) files from eval.prepare")
     p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192])
@@ -359,7 +395,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> dict:
-    if getattr(opts, "suite", "accuracy") == "generalization":
+    suite = getattr(opts, "suite", "accuracy")
+    if suite == "generalization":
+        from elastic_vllm.eval.served import run as run_served
+
+        return run_served(opts, argv or list(getattr(sys, "orig_argv", sys.argv)), log)
+    if not opts.model:
+        raise ValueError(f"--suite {suite} needs --model DIR")
+    if suite == "generalization-split":
         from elastic_vllm.eval.generalization import run as run_generalization
 
         return run_generalization(opts, argv or list(getattr(sys, "orig_argv", sys.argv)), log)

@@ -1,4 +1,4 @@
-"""`elastic-vllm eval --suite generalization` end to end on a tiny random model (CPU, --quick): per held-out
+"""`elastic-vllm eval --suite generalization-split` end to end on a tiny random model (CPU, --quick): per held-out
 family and category, dense / elastic / static rows, targets, plot; and the scoring rules."""
 
 import gzip
@@ -48,7 +48,7 @@ def run(tmp_path_factory, sources):
     torch.set_num_threads(1)  # tiny matrices on a shared CPU (test_eval_harness.py says why)
     d = tmp_path_factory.mktemp("gen")
     out = d / "out"
-    argv = ["--suite", "generalization", *tiny_suite_argv(d, sources)]
+    argv = ["--suite", "generalization-split", *tiny_suite_argv(d, sources)]
     argv += ["--out", str(out), "--quick", "--margins", "1000", "-1000"]
     assert harness.main(argv) == 0
     torch.set_num_threads(n)
@@ -72,7 +72,7 @@ def test_per_family_rows_of_every_method(run):
         assert res["table"][fam][cat]["elastic"]["omega_msr"] == pytest.approx(omega)
         assert abs(res["table"][fam][cat]["static"]["omega_msr"] - omega) <= 0.5 / 6 + 1e-6
     assert len(res["targets"]) == 2 * len(HELD_OUT)
-    assert "--suite generalization" in res["provenance"]["command"] and res["provenance"]["git_commit"]
+    assert "--suite generalization-split" in res["provenance"]["command"] and res["provenance"]["git_commit"]
     assert (run / "generalization.png").stat().st_size > 0
     md = (run / "results.md").read_text()
     assert "| logs/system | sensitive |" in md and "Targets met in" in md
@@ -106,7 +106,7 @@ def test_scores_and_targets():
 
 def test_suite_needs_a_router(tmp_path):
     with pytest.raises(ValueError, match="needs the trained router"):
-        harness.main(["--suite", "generalization", "--model", str(tmp_path), "--out", str(tmp_path / "o")])
+        harness.main(["--suite", "generalization-split", "--model", str(tmp_path), "--out", str(tmp_path / "o")])
 
 
 def test_load_rows_caps_cells_and_length(tmp_path):
