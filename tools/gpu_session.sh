@@ -14,6 +14,7 @@
 #   bash tools/gpu_session.sh generalization  # eval --suite generalization (held-out families) of ROUTERS
 #                                           # (space-separated folders, run side by side on the GPU), MARGINS
 #   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2); SECTIONS / QUICK
+#   bash tools/gpu_session.sh tune        # tools/tune_kernels.py: prefill tiles, decode splits and tiles; SECTIONS
 #   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
 #   bash tools/gpu_session.sh budgets     # eval --suite budgets (= elastic-vllm eval) of the demo model and ROUTER
 #                                           # (default: the shipped one): score vs realized Omega_MSR; SAMPLES, BUDGET
@@ -35,7 +36,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export VLLM_USE_FLASHINFER_SAMPLER=0 ELASTIC_VLLM_CACHE=/tmp/evc
 # the lent multi-GPU machines' policy: NVLink multicast stays off
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD
+# tools/device_site (a pydantic stand-in for the image, which has none) last: a staged vLLM's real one comes first
+export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD:$PWD/tools/device_site
+# the kernels as elastic_vllm.csrc (setup.py's mapping) where nothing is installed (the device): the GPU tests import them
+[ -e elastic_vllm/csrc ] || python3 -c "import elastic_vllm.csrc" 2>/dev/null || ln -s ../csrc elastic_vllm/csrc
 GGUF=${GGUF:-/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf}
 OUT=${OUT:-/tmp/out}
 GG=${GG_DIR:-/tmp/gg}  # the GGUF's pieces (tools/gpu_gguf.sh) gathered over several calls
@@ -239,6 +243,8 @@ case "$step" in
     # KERNEL_BENCH=0: the checks only
     [ "${KERNEL_BENCH:-1}" = 0 ] || python3 benchmarks/kernels.py --out "$OUT/kernels.json" \
       ${SECTIONS:+--sections "$SECTIONS"} ${QUICK:+--quick} 2>&1 | tail -45 ;;
+  tune)
+    python3 tools/tune_kernels.py --out "$OUT/tune.json" ${SECTIONS:+--sections "$SECTIONS"} 2>&1 | tail -45 ;;
   ab)
     # the kernels of this tree vs the csrc/ of another commit (`bash tools/ab_prep.sh REF`, carry .abtest), in
     # one call: same GPU, same clocks and power state. SECTIONS: kernels.py's --sections filter; CHECK_K: the

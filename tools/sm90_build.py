@@ -122,7 +122,7 @@ def prefill_rows() -> list[dict]:
         rows.append({"kernel": "_prefill_kernel", "block_size": bs, "tiles": "128x128",
                      "num_warps": 8, "shared_bytes": got["_prefill_kernel"].metadata.shared,
                      **_resources(got["_prefill_kernel"])})  # fmt: skip
-    # the tune candidate with two programs per SM (benchmarks/kernels.py TUNE_CANDIDATES): 64 x 64 tiles, 4 warps
+    # the tune candidate with two programs per SM (tools/tune_kernels.py TUNE_CANDIDATES): 64 x 64 tiles, 4 warps
     nb = S // 128 + 1
     kv = torch.empty(nb, 2, 128, hkv, d, dtype=torch.bfloat16)
     P.prefill_attention(

@@ -47,7 +47,7 @@ def test_ab_step_times_each_side_with_its_own_kernels(tmp_path):
     with open(ab / "csrc" / "prefill.py", "a") as f:  # the "other commit": same kernels, different sources
         f.write("\n# ab side marker\n")
     env = {**os.environ, "AB_DIR": str(ab), "OUT": str(out), "GIT_COMMIT": "tree0000", "KERNELS_ARGS": "--cpu-dry --quick",
-           "SECTIONS": "prefill S=32768 d=128"}  # fmt: skip
+           "SECTIONS": "prefill S="}  # fmt: skip
     r = subprocess.run(["bash", "tools/gpu_session.sh", "ab"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
