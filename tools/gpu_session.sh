@@ -5,7 +5,7 @@
 #                                           # one call with the tree) to /tmp/stage; .gpu-carry (router data) when
 #                                           # carried (mind the 64 MiB per call), 2 installs .whl/gguf
 #   bash tools/gpu_session.sh unpack      # unpack vLLM to /tmp/vsite, convert the demo model (from the carried GGUF)
-#   bash tools/gpu_session.sh check_train # check_vllm.py (P4) and router training (P3) side by side
+#   bash tools/gpu_session.sh check_train # tests/gpu/test_gpu_vllm.py and router training side by side
 #   bash tools/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7): E2E_JOBS, the jobs that fit this call
 #   bash tools/gpu_session.sh eval        # benchmarks/accuracy.py (P6) with the router trained in check_train
 #   bash tools/gpu_session.sh gguf_part   # no vLLM: the eval's model in pieces (tools/gpu_gguf.sh builds
@@ -13,7 +13,7 @@
 #                                           # with eval_gguf (carry .gpu-gguf/p3 .whl): ~2 min less than staging vLLM
 #   bash tools/gpu_session.sh generalization  # eval --suite generalization (held-out families) of ROUTERS
 #                                           # (space-separated folders, run side by side on the GPU), MARGINS
-#   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2); SECTIONS / QUICK
+#   bash tools/gpu_session.sh kernels     # tests/gpu/test_gpu_kernels.py + benchmarks/kernels.py; SECTIONS / QUICK
 #   bash tools/gpu_session.sh tune        # tools/tune_kernels.py: prefill tiles, decode splits and tiles; SECTIONS
 #   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
 #   bash tools/gpu_session.sh budgets     # eval --suite budgets (= elastic-vllm eval) of the demo model and ROUTER
@@ -28,7 +28,7 @@
 #   VARIANT_A / VARIANT_B start detached on GPU $TRAIN_GPU from a copy of the tree (/tmp/tree-train);
 #   stage 1..5 + unpack; check (CHECKS on GPU 0); collect_train (waits, tars, picks /tmp/router);
 #   fsdp (torchrun over both GPUs with VARIANT_A's recipe and step count, compared with run A) + tp
-#   (tests/gpu/check_tp.py); eval_bg (accuracy on GPU 1, detached) + e2e; collect_eval.
+#   (tests/gpu/test_gpu_tp.py); eval_bg (accuracy on GPU 1, detached) + e2e; collect_eval.
 # Results go to $OUT; GIT_COMMIT must be set by the caller (the device gets the tree without .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +52,23 @@ gguf_collect() {  # this call's pieces of .gpu-gguf/* to $GG; a piece's wheels (
   done
 }
 gguf_join() { mkdir -p "$(dirname "$GGUF")" && cat "$GG"/gg.* > "$GGUF"; }  # pieces in name order
+# the GPU tests (pytest, gpu-marked; TRITON_INTERPRET off: tests/conftest.py turns it on for the CPU tests), their
+# rows to a JSON file, within a time limit: gpu_tests SECONDS FILE JSON [pytest args...]
+gpu_tests() {
+  local t=$1 f=$2 json=$3; shift 3
+  TRITON_INTERPRET=0 timeout "$t" python3 -m pytest -p no:cacheprovider -q -rfEs "tests/gpu/$f" --gpu-out "$json" "$@" \
+    2>&1 | grep -vE "^(INFO|DEBUG|WARNING|\(EngineCore|\(Worker)" | tail -40 || true
+}
+# the vLLM tests named in CHECKS (comma list), one process each (a second engine in one process broke CUDA graph
+# capture), the rows joined in one JSON, within SECONDS for all: vllm_tests SECONDS JSON
+vllm_tests() {
+  local end=$((SECONDS + $1)) json=$2 c
+  rm -f "$json"
+  for c in ${CHECKS//,/ }; do
+    [ $SECONDS -lt "$end" ] || { echo "time limit: $c not run"; continue; }
+    gpu_tests $((end - SECONDS)) test_gpu_vllm.py "$json" --gpu-append -k "$c" --model "$M"
+  done
+}
 demo() { python3 -c "from elastic_vllm.models import fetch_demo_model; print(fetch_demo_model(gguf='$GGUF', quiet=True))"; }
 step=${1:?step}
 case "$step" in
@@ -108,9 +125,8 @@ case "$step" in
     ls /tmp/*.rc 2>/dev/null; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader ;;
   check)
     M=$(demo)
-    CUDA_VISIBLE_DEVICES=${CHECK_GPU:-0} timeout ${CHECK_TIMEOUT:-480} python3 tests/gpu/check_vllm.py --model "$M" \
-      --out "$OUT/check_vllm.json" --checks ${CHECKS:-all_fa,graphs,needle,batch,long,metrics} 2>&1 \
-      | grep -vE "^(INFO|DEBUG|\(EngineCore)" | tail -40 || true
+    CHECKS=${CHECKS:-all_fa,graphs,needle,batch,long,metrics} CUDA_VISIBLE_DEVICES=${CHECK_GPU:-0} \
+      vllm_tests ${CHECK_TIMEOUT:-480} "$OUT/check_vllm.json"
     bash "$0" bg_status ;;
   collect_train)
     # wait for the detached trainers (at most WAIT_S), bring back their files, pick the router
@@ -136,8 +152,7 @@ case "$step" in
     tar -C /tmp -czf "$OUT/fsdp.tgz" fsdp ;;
   tp)
     M=$(demo)
-    timeout ${TP_TIMEOUT:-360} python3 tests/gpu/check_tp.py --model "$M" --out "$OUT/check_tp.json" --time-budget ${TP_BUDGET:-320} 2>&1 \
-      | grep -vE "^(INFO|DEBUG|\(EngineCore|\(Worker)" | tail -40 || true ;;
+    gpu_tests ${TP_TIMEOUT:-360} test_gpu_tp.py "$OUT/check_tp.json" --model "$M" --tp-time-budget ${TP_BUDGET:-320} ;;
   eval_bg)
     M=$(demo)
     rm -rf /tmp/acc /tmp/eval.rc
@@ -162,8 +177,7 @@ case "$step" in
         echo "train rc=$? ($vars)" >> "$OUT/train$v.log"; tar -C /tmp -czf "$OUT/train$v.tgz" train$v) &
     done
     sleep ${CHECK_DELAY:-0}
-    timeout ${CHECK_TIMEOUT:-420} python3 tests/gpu/check_vllm.py --model "$M" --out "$OUT/check_vllm.json" \
-      --checks ${CHECKS:-all_fa,graphs,needle,batch,long} 2>&1 | grep -vE "^(INFO|DEBUG|\(EngineCore)" | tail -40 || true
+    CHECKS=${CHECKS:-all_fa,graphs,needle,batch,long} vllm_tests ${CHECK_TIMEOUT:-420} "$OUT/check_vllm.json"
     wait; tail -12 "$OUT/trainA.log" "$OUT/trainB.log"
     rm -rf /tmp/router; python3 tools/pick_router.py /tmp/router /tmp/trainA /tmp/trainB | tee "$OUT/pick.txt" ;;
   e2e)
@@ -238,7 +252,7 @@ case "$step" in
     wait
     for R in $ROUTERS; do tail -n 45 "/tmp/gen-$(basename "$R").log"; done ;;
   kernels)
-    timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check_kernels.json" 2>&1 | tail -40 || true
+    gpu_tests ${CHECK_TIMEOUT:-200} test_gpu_kernels.py "$OUT/check_kernels.json"
     # the whole grid takes ~7 min on the H200: SECTIONS (kernels.py --sections) or QUICK=1 (--quick) split it;
     # KERNEL_BENCH=0: the checks only
     [ "${KERNEL_BENCH:-1}" = 0 ] || python3 benchmarks/kernels.py --out "$OUT/kernels.json" \
@@ -248,7 +262,7 @@ case "$step" in
   ab)
     # the kernels of this tree vs the csrc/ of another commit (`bash tools/ab_prep.sh REF`, carry .abtest), in
     # one call: same GPU, same clocks and power state. SECTIONS: kernels.py's --sections filter; CHECK_K: the
-    # GPU checks of this tree first (check_kernels.py -k); KERNELS_ARGS: more kernels.py flags (--quick, or
+    # GPU tests of this tree first (test_gpu_kernels.py -k); KERNELS_ARGS: more kernels.py flags (--quick, or
     # --cpu-dry for a plumbing check). Back: kernels-tree.json, kernels-ref.json (env.csrc_sha256 names the
     # sources each side timed), check-kernels-tree.json
     ab=${AB_DIR:-.abtest}
@@ -256,8 +270,7 @@ case "$step" in
     ref=$(cat "$ab/REF")
     mkdir -p "$OUT"
     if [ -n "${CHECK_K:-}" ]; then
-      timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check-kernels-tree.json" \
-        -k "$CHECK_K" 2>&1 | tail -20 || true
+      gpu_tests ${CHECK_TIMEOUT:-200} test_gpu_kernels.py "$OUT/check-kernels-tree.json" -k "$CHECK_K"
     fi
     rm -rf /tmp/ab-ref && mkdir -p /tmp/ab-ref && cp -r benchmarks tests elastic_vllm /tmp/ab-ref/ && cp -r "$ab/csrc" /tmp/ab-ref/
     for side in tree ref; do

@@ -81,20 +81,6 @@ def test_host_overhead_script_reports_every_launcher(tmp_path):
     assert all(v > 0 for v in d["us_per_call"].values()) and d["git_commit"] and d["command"]
 
 
-def test_gpu_check_of_the_hf_triton_path_runs_dry(tmp_path):
-    """tests/gpu/check_kernels.py's checks of the transformers engine's Triton path, at toy sizes under the
-    interpreter: the plumbing the GPU run relies on (padded prompt and decode step vs the torch path)."""
-    out = tmp_path / "ck.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "gpu" / "check_kernels.py"), "--cpu-dry", "-k", "hf triton",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.read_text())["results"]
-    assert len(res) == 2 and all(r["ok"] and r["err"] <= r["bound"] for r in res), res
-
-
 def test_fa_split_benchmark_dry_run(tmp_path):
     """benchmarks/fa_split.py on toy steps: every split output was checked against the fused kernel (the rows
     are the table FA_SPLIT_MIN_SEQ is read from) and both sides were timed."""
