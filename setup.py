@@ -20,7 +20,7 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir={"elastic_vllm.csrc": "csrc"},
-    package_data={"elastic_vllm": ["py.typed"]},
+    package_data={"elastic_vllm": ["py.typed"], "elastic_vllm.eval": ["data/*.jsonl.xz", "data/*.jsonl.gz", "data/*.json"]},
     install_requires=[
         "torch>=2.11",
         "transformers>=5.0",

@@ -5,7 +5,7 @@
         --out benchmarks/results/accuracy_smollm2 [--device cuda] [--methods ...] [--quick]
 
 The harness lives in ``elastic_vllm.eval.harness`` (also ``elastic-vllm eval``); the prompts in
-``benchmarks/data/`` (built by ``python3 -m elastic_vllm.eval.prepare``). Runs from a plain checkout:
+``elastic_vllm/eval/data/`` (built by ``python3 -m elastic_vllm.eval.prepare``). Runs from a plain checkout:
 the repository root goes on sys.path.
 """
 

@@ -16,7 +16,7 @@ case "${1:?prep or run}" in
       mkdir -p ".abtest/trees/$sha"
       # the whole tree (an older serve_bench imports tests/gpu/_gpu_common.py; setup.py reads README.md) but the
       # results, data and router weights (~12 MB): the llama server's router is made by serve_bench itself
-      git archive "$sha" | tar -x -C ".abtest/trees/$sha" --exclude 'benchmarks/results' --exclude 'benchmarks/data' \
+      git archive "$sha" | tar -x -C ".abtest/trees/$sha" --exclude 'benchmarks/results' --exclude 'benchmarks/data' --exclude 'elastic_vllm/eval/data' \
         --exclude 'router_weights' --exclude 'docs'
       echo ".abtest/trees/$sha"
     done

@@ -20,7 +20,7 @@ from elastic_vllm.config import ElasticConfig
 from elastic_vllm.sparsity import omega_esr
 
 # the committed prompts of the demo model (a source checkout; pass --data elsewhere)
-DATA_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"  # package data (setup.py): the committed prompts
 DEFAULT_DATA = (str(DATA_DIR / "smollm2_ruler.jsonl.xz"), str(DATA_DIR / "smollm2_robust.jsonl.xz"))
 
 

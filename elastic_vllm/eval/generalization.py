@@ -5,7 +5,7 @@ Why one file of ~440 lines: the suite's run, aggregation per family, margin trad
     elastic-vllm eval --suite generalization --model DIR --router DIR --out OUT [--device cuda]
 
 Reads the generalization split (``build-data --generalization N``; the demo model's is committed as
-benchmarks/data/smollm2_generalization.jsonl.gz): samples of the haystack/form families that no
+elastic_vllm/eval/data/smollm2_generalization.jsonl.gz): samples of the haystack/form families that no
 training sample has (``train.families.HELD_OUT``), sensitive and robust. For every (family, category)
 cell it reports
 
