@@ -41,11 +41,11 @@ import urllib.request
 from pathlib import Path
 
 from _harness import ROOT, environment, log, write_json
+from _routers import fixed_share_router
 from serve_bench import (
     DEMO_ELASTIC,
     SHARE,
     bench,
-    fixed_share_router,
     llama_dir,
     metric_sums,
     phases,

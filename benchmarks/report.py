@@ -246,9 +246,17 @@ def engine_rows() -> list[Row]:
 
 
 # --- serving -------------------------------------------------------------------------------------------------
-# Each workload's rows from the file of its latest run: 1K and 8K from serve-1k-8k-h200.json, the long prompts and
-# all-FA 32K from serve-vs-flash-attn-h200.json (the later run measured only 1K and 8K).
-SERVING = (("serve-1k-8k-h200.json", ("1k", "8k")), ("serve-vs-flash-attn-h200.json", ("32k", "128k", "fa32k")))
+# The committed serve_bench runs, oldest first: a (comparison, workload, burst) row comes from the last file that
+# holds it (the later run measured only 1K and 8K of the whole-layer router; a new run's file goes last).
+SERVING = ("serve-vs-flash-attn-h200.json", "serve-1k-8k-h200.json")
+
+
+def _serve_bench():
+    """benchmarks/serve_bench.py as a module: its comparison labels, the rows it reports and their targets."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve_bench
+
+    return serve_bench
 
 
 def _serve_commit(d: dict, workload: str) -> str:
@@ -259,46 +267,44 @@ def _serve_commit(d: dict, workload: str) -> str:
     return d["environment"]["git_commit"][:7]
 
 
-def _target_workload(t: dict) -> str:
-    """'1k cold: ...' -> 1k, '32k/64 @4: ...' -> 32k, 'fa32k: ...' -> fa32k."""
-    return t["what"].split(":")[0].split()[0].split("/")[0]
-
-
-def serving_rows() -> dict[tuple[str, str], dict]:
-    """(workload, burst) -> comparison row, each from the file of SERVING that holds that workload."""
-    return {
-        (r["workload"], r["burst"]): r
-        for f, workloads in SERVING
-        for r in load(f)["comparison"]
-        if r["workload"] in workloads
-    }
+def serving_rows() -> dict[tuple[str, str, str], tuple[dict, str, dict]]:
+    """(comparison label, workload, burst) -> (row, file, the file's JSON), from the last file of SERVING with it."""
+    out = {}
+    for f in SERVING:
+        d = load(f)
+        for r in d["comparison"]:
+            out[(r["model"], r["workload"], r["burst"])] = (r, f, d)
+    return out
 
 
 def serving_table(doc: Path) -> str:
+    sb = _serve_bench()
+    have = serving_rows()
     ms = lambda r, k: f"{r[k][0]:.0f} -> {r[k][1]:.0f}" if k in r else "-"  # noqa: E731
     lines = [
-        "| workload | burst | throughput | median TTFT | p99 TTFT | median TPOT | TTFT speed | JIT (elastic) "
-        "| queued ms | prefill ms | run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | burst | routing | throughput | median TTFT | p99 TTFT | median TPOT | TTFT speed | JIT (elastic) "
+        "| queued ms | prefill ms | target | | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    targets = []
-    for f, workloads in SERVING:
-        d = load(f)
-        for r in d["comparison"]:
-            if r["workload"] not in workloads:
-                continue
-            tpot = f"{r['median_tpot']:.2f}x" if r["median_tpot"] is not None else "-"
-            lines.append(
-                f"| {r['workload']} | {r['burst']} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
-                f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} | "
-                f"{ms(r, 'queue_ms')} | {ms(r, 'prefill_ms')} | {_link(f, doc)} at {_serve_commit(d, r['workload'])} |"
-            )
-        targets += [
-            f"| {t['what']} | {t['value']} | {met(t['met'])} | {_link(f, doc)} at {_serve_commit(d, _target_workload(t))} |"
-            for t in d["targets"]
-            if _target_workload(t) in workloads
-        ]
-    lines += ["", "| target | measured | | run |", "|---|---|---|---|", *targets]
+    for labels, workloads in sb.REPORTED:
+        for w in workloads:
+            for burst in ("cold", "warm"):
+                for label in labels:
+                    t = sb.target_of(label, w, burst)
+                    goal = t[0] if t else "-"
+                    routing = sb.routing_of(label, w, sb.WORKLOADS)
+                    if (label, w, burst) not in have:
+                        lines.append(f"| {w} | {burst} | {routing} |{' - |' * 8} {goal} | not measured | - |")
+                        continue
+                    r, f, d = have[(label, w, burst)]
+                    tpot = f"{r['median_tpot']:.2f}x" if r["median_tpot"] is not None else "-"
+                    status = met(t[1](r)) if t else "-"
+                    lines.append(
+                        f"| {w} | {burst} | {routing} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
+                        f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} | "
+                        f"{ms(r, 'queue_ms')} | {ms(r, 'prefill_ms')} | {goal} | {status} | "
+                        f"{_link(f, doc)} at {_serve_commit(d, w)} |"
+                    )
     return "\n".join(lines) + "\n"
 
 
@@ -606,7 +612,8 @@ def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
     tt = {(r["len"], r["variant"]): r for r in e["summary"]["ttft_speedup"] if r["budget_tokens"] == 16384}
     v = "elastic FA-SSA share 0.75"
     dc = {(r["ctx"], r["batch"], r["decode_mode"]): r for r in load("e2e-vllm-h200-llama-decode-bs128.json")["summary"]["decode_speedup"]}  # fmt: skip
-    sv = serving_rows()
+    sv = {(w, b): r for (label, w, b), (r, _, _) in serving_rows().items() if label == "llama"}
+    sv_file = {w: f for (label, w, b), (_, f, _) in serving_rows().items() if label == "llama" and b == "warm"}
     ruler = load("accuracy-smollm2-h200/results.json")["targets"][0]  # >= 97% of dense at Omega_MSR >= 0.5
     m = load("router-train-smollm2-h200/measure.json")
     c = load("check-kernels-h200.json")["results"]
@@ -635,7 +642,7 @@ def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
                 f"{label} throughput {sv[(w, 'warm')]['throughput']:.2f}x, TTFT speed {sv[(w, 'warm')]['ttft_speedup']:.2f}x"
                 for label, w in (("1K", "1k"), ("32K", "32k"), ("128K", "128k"), ("all-FA 32K", "fa32k"))
             ),
-            tuple(f for f, _ in SERVING),  # 1K from the first, the others from the second
+            tuple(dict.fromkeys(sv_file[w] for w in ("1k", "32k", "128k", "fa32k"))),  # the files of those rows
         ),
         (
             "RULER at 8K, SmolLM2-135M, router s040: share of dense, Omega_MSR",

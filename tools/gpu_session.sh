@@ -15,6 +15,9 @@
 #                                           # (space-separated folders, run side by side on the GPU), MARGINS
 #   bash tools/gpu_session.sh kernels     # tests/gpu/test_gpu_kernels.py + benchmarks/kernels.py; SECTIONS / QUICK
 #   bash tools/gpu_session.sh tune        # tools/tune_kernels.py: prefill tiles, decode splits and tiles; SECTIONS
+#   bash tools/gpu_session.sh fa_split    # benchmarks/fa_split.py: hybrid prompt steps, fused kernel vs FA heads on
+#                                           # vLLM's FA3 (after staging); FA_SPLIT_SHAPES, FA_SPLIT_SHARES
+#   bash tools/gpu_session.sh serve       # benchmarks/serve_bench.py: SERVERS, WORKLOADS, SB_MML, MERGE, SB_NAME
 #   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
 #   bash tools/gpu_session.sh budgets     # eval --suite budgets (= elastic-vllm eval) of the demo model and ROUTER
 #                                           # (default: the shipped one): score vs realized Omega_MSR; SAMPLES, BUDGET
@@ -197,14 +200,29 @@ case "$step" in
       ${METHODS:+--methods $METHODS} ${IMPL:+--impl $IMPL} 2>&1 | grep -v Warning | tail -40 ;;
   serve)
     # benchmarks/serve_bench.py: `vllm serve` + `vllm bench serve`, elastic vs FLASH_ATTN. SERVERS (comma list of
-    # llama-base, llama-elastic, demo-base, demo-elastic), WORKLOADS (what fits this call), MERGE (earlier outputs
-    # in /tmp/sb to keep), SB_NAME (the output's name). The plugin's entry point needs the tree pip-installed.
+    # llama-base, llama-elastic (whole layers SA), llama-mixed (2 FA + 6 SA heads a layer), llama-mixed50 (4 + 4),
+    # llama-elastic-kernels, demo-base, demo-elastic), WORKLOADS (what fits this call), SB_MML (the Llama servers'
+    # max_model_len: the same in every call whose rows are compared; default the longest workload's), MERGE
+    # (earlier outputs in /tmp/sb to keep), SB_NAME (the output's name), SERVE_TIMEOUT (540 s, then SIGINT: the
+    # server stops, the bursts done stay in the output, written after each). The plugin's entry point needs the
+    # tree pip-installed.
     M=$(demo)
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/pip-e.log 2>&1 || { tail /tmp/pip-e.log; exit 1; }
     mkdir -p /tmp/sb "$OUT"
-    python3 benchmarks/serve_bench.py --demo-model "$M" --servers "${SERVERS:?}" ${WORKLOADS:+--workloads $WORKLOADS} \
-      --out /tmp/sb/"${SB_NAME:-serve}".json ${MERGE:+--merge $MERGE} 2>&1 | tail -60 || true
+    timeout -s INT ${SERVE_TIMEOUT:-540} python3 benchmarks/serve_bench.py --demo-model "$M" --servers "${SERVERS:?}" \
+      ${WORKLOADS:+--workloads $WORKLOADS} ${SB_MML:+--max-model-len $SB_MML} --out /tmp/sb/"${SB_NAME:-serve}".json \
+      ${MERGE:+--merge $MERGE} 2>&1 | grep -vE "^(INFO|DEBUG|\(EngineCore|\(APIServer)" | tail -60 || true
     cp /tmp/sb/"${SB_NAME:-serve}".json /tmp/sb/"${SB_NAME:-serve}".md "$OUT/" ;;
+  fa_split)
+    # benchmarks/fa_split.py: one layer's hybrid prompt step (1K-8K prompts, 8 x 1K, the last 8K chunk of 16K-128K
+    # contexts) at SA shares 0-1, the fused kernel for every head against the FA heads on vLLM's FA3 (one call per
+    # KV head) + the fused kernel for the SA heads; each split output checked against the fused one before it is
+    # timed. FA_SPLIT_SHAPES (llama,demo), FA_SPLIT_SHARES, FA_SPLIT_NAME; FA_SPLIT_TIMEOUT (540 s, then SIGINT:
+    # the file holds every case done). Back: OUT/<name>.json
+    mkdir -p "$OUT"
+    timeout -s INT ${FA_SPLIT_TIMEOUT:-540} python3 benchmarks/fa_split.py --out "$OUT/${FA_SPLIT_NAME:-fa-split}.json" \
+      ${FA_SPLIT_SHAPES:+--shapes $FA_SPLIT_SHAPES} ${FA_SPLIT_SHARES:+--shares $FA_SPLIT_SHARES} 2>&1 \
+      | grep -vE "Warning|^\[" | tail -80 || true ;;
   budgets)
     # `elastic-vllm eval --suite budgets` (its harness through benchmarks/accuracy.py, as the eval steps: runs from the
     # bare tree): accuracy vs realized Omega_MSR at fixed SA budgets, router-ranked vs static vs random heads. ROUTER

@@ -28,9 +28,10 @@ def test_report_merges_runs_and_computes_ratios(tmp_path):
     base = {"backend": "FLASH_ATTN", "runs": {"1k": {"cold": _run(100, 1000), "warm": _run(80, 1100)},
                                               "32k": {"warm": _run(3000, 50)}}}  # fmt: skip
     el = {"backend": "elastic", "runs": {"1k": {"cold": _run(200, 500, jit=1), "warm": _run(80, 1100)},
-                                         "fa32k": {"warm": _run(9999, 1)}}}  # fmt: skip
+                                         "32k": {"warm": _run(2000, 66)}, "fa32k": {"warm": _run(9999, 1)}}}  # fmt: skip
+    mixed = {"backend": "elastic", "runs": {"32k": {"warm": _run(2000, 66)}}}
     first = tmp_path / "a.json"
-    first.write_text(json.dumps(_result({"llama-base": base, "llama-elastic": el}, "aaa")))
+    first.write_text(json.dumps(_result({"llama-base": base, "llama-elastic": el, "llama-mixed": mixed}, "aaa")))
     # a later file replaces the elastic server's fa32k runs only (its 1k runs stay)
     second = tmp_path / "b.json"
     second.write_text(json.dumps(_result({"llama-elastic": {"runs": {"fa32k": {"warm": _run(3000, 50)}}}}, "bbb")))
@@ -39,17 +40,25 @@ def test_report_merges_runs_and_computes_ratios(tmp_path):
                        capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(out.read_text())
-    rows = {(x["workload"], x["burst"]): x for x in d["comparison"]}
-    assert rows[("1k", "cold")]["throughput"] == 0.5 and rows[("1k", "cold")]["median_ttft"] == 2.0
-    assert rows[("1k", "cold")]["jit_elastic"] == 1
-    assert rows[("1k", "warm")]["throughput"] == 1.0 and rows[("1k", "warm")]["ttft_speedup"] == 1.0
-    assert rows[("fa32k", "warm")]["baseline_row"] == "32k" and rows[("fa32k", "warm")]["ttft_speedup"] == 1.0
+    rows = {(x["model"], x["workload"], x["burst"]): x for x in d["comparison"]}
+    whole, mix = "llama", "llama, mixed 0.75"
+    assert rows[(whole, "1k", "cold")]["throughput"] == 0.5 and rows[(whole, "1k", "cold")]["median_ttft"] == 2.0
+    assert rows[(whole, "1k", "cold")]["jit_elastic"] == 1
+    assert rows[(whole, "1k", "warm")]["throughput"] == 1.0 and rows[(whole, "1k", "warm")]["ttft_speedup"] == 1.0
+    assert rows[(whole, "fa32k", "warm")]["baseline_row"] == "32k"
+    assert rows[(whole, "fa32k", "warm")]["ttft_speedup"] == 1.0
+    assert rows[(mix, "32k", "warm")]["throughput"] == 1.32 and rows[(mix, "32k", "warm")]["routing"].startswith(
+        "every layer 2 FA + 6 SA"
+    )
+    assert {m for m, _, _ in rows} == {whole, mix}  # no row for a server that did not run
     met = {t["what"].split(":")[0]: t["met"] for t in d["targets"]}
-    assert met == {"1k cold": False, "1k warm": True, "fa32k": True}
+    # 1.32x: the mixed router's 32K target (1.30x) is met, the whole-layer router's (1.35x) is not
+    assert met == {"llama 1k cold": False, "llama 1k warm": True, "llama 32k warm": False, "llama fa32k warm": True,
+                   "llama, mixed 0.75 32k warm": True}  # fmt: skip
     assert d["environment"]["git_commit"] == "aaa" and "report_command" in d["environment"]
     assert [m["git_commit"] for m in d["merged_from"]] == ["aaa", "bbb"]
     md = out.with_suffix(".md").read_text()
-    assert "| llama | fa32k | warm | 1.00x |" in md and "not met" in md
+    assert "| llama | all-FA requests | fa32k | warm | 1.00x |" in md and "not met" in md
 
 
 def test_phases_are_per_burst_means_of_vllms_histograms():
@@ -82,23 +91,50 @@ def test_phases_are_per_burst_means_of_vllms_histograms():
 @pytest.mark.slow
 def test_dry_run_serves_elastic_through_vllms_client(tmp_path):
     """The benchmark end to end on the CPU build: `vllm serve --attention-backend elastic` (tiny Llama shape with
-    dummy weights and the fixed-share router) driven by vLLM's client, every request completed, the elastic
-    forward ran (its counters on /metrics), the all-FA override sent in the request body."""
+    dummy weights, 8 KV heads, on the whole-layer and the head-mixing fixed-share routers; the demo model with its
+    shipped router on the chat prompts) driven by vLLM's client, every request completed, the elastic forward ran
+    (its counters on /metrics), the all-FA override sent in the request body, and each router's decisions per layer
+    on the server's own metrics: the head-mixing router 2 FA + 6 SA KV heads in every layer, the whole-layer router
+    its first layer FA and the rest SA (4 layers, 0.75)."""
     out = tmp_path / "dry.json"
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry", "--servers", "llama-elastic", "--workloads", "1k,fa32k", "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=900,
+        [sys.executable, str(SCRIPT), "--dry", "--servers", "llama-elastic,llama-mixed,demo-elastic",
+         "--workloads", "1k,fa32k,chat", "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=1800,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     d = json.loads(out.read_text())
-    rec = d["servers"]["llama-elastic"]
-    assert not rec.get("error")
-    for w, n in (("1k", 6), ("fa32k", 2)):
-        for burst in ("cold", "warm"):
-            s = rec["runs"][w][burst]["summary"]
-            assert s["completed"] == n and s["failed"] == 0, (w, burst, s)
-            ph = rec["runs"][w][burst]["phases"]  # vLLM's own histograms, one observation per request
-            assert ph["queue_n"] == n and ph["prefill"] > 0, (w, burst, ph)
-    assert '"elastic_force": "all-FA"' in rec["runs"]["fa32k"]["warm"]["client"]["_client_argv"]
-    calls = [ln for ln in rec["elastic_metrics"] if ln.startswith("elastic:attention_forward_calls_total")]
-    assert calls and float(calls[0].split()[-1]) > 0
+    runs = {"llama-elastic": (("1k", 6), ("fa32k", 2)), "llama-mixed": (("1k", 6),), "demo-elastic": (("chat", 3),)}
+    for server, workloads in runs.items():
+        rec = d["servers"][server]
+        assert not rec.get("error"), rec["error"]
+        assert set(rec["runs"]) == {w for w, _ in workloads}  # all-FA requests on the whole-layer server only
+        for w, n in workloads:
+            for burst in ("cold", "warm"):
+                s = rec["runs"][w][burst]["summary"]
+                assert s["completed"] == n and s["failed"] == 0, (server, w, burst, s)
+                ph = rec["runs"][w][burst]["phases"]  # vLLM's own histograms, one observation per request
+                assert ph["queue_n"] == n and ph["prefill"] > 0, (server, w, burst, ph)
+        calls = [ln for ln in rec["elastic_metrics"] if ln.startswith("elastic:attention_forward_calls_total")]
+        assert calls and float(calls[0].split()[-1]) > 0
+    assert (
+        '"elastic_force": "all-FA"' in d["servers"]["llama-elastic"]["runs"]["fa32k"]["warm"]["client"]["_client_argv"]
+    )
+    # chat prompts of 160 x (1 +- 0.5) tokens, templated by the benchmark, sent as written
+    chat = d["servers"]["demo-elastic"]["runs"]["chat"]["cold"]["client"]
+    assert "--dataset-name custom" in chat["_client_argv"] and 3 * 80 <= chat["total_input_tokens"] <= 3 * 240
+
+    def decisions(server):  # layer -> [FA, SA] KV-head decisions of every routed request
+        out = {}
+        for ln in d["servers"][server]["elastic_metrics"]:
+            if ln.startswith("elastic:head_decisions_total{"):
+                labels = dict(kv.split("=") for kv in ln[ln.index("{") + 1 : ln.index("}")].split(","))
+                out.setdefault(int(labels["layer"].strip('"')), [0, 0])[labels["decision"] == '"SA"'] += float(
+                    ln.split()[-1]
+                )
+        return out
+
+    mixed = decisions("llama-mixed")  # 12 requests (two bursts of 6)
+    assert mixed == {layer: [12 * 2, 12 * 6] for layer in range(4)}, mixed
+    whole = decisions("llama-elastic")  # 12 routed requests and 4 all-FA ones (8 FA heads each)
+    assert whole == {0: [16 * 8, 0], **{layer: [4 * 8, 12 * 8] for layer in (1, 2, 3)}}, whole
