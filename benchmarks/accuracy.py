@@ -5,15 +5,14 @@
         --out benchmarks/results/accuracy_smollm2 [--device cuda] [--methods ...] [--quick]
 
 The harness lives in ``elastic_vllm.eval.harness`` (also ``elastic-vllm eval``); the prompts in
-``elastic_vllm/eval/data/`` (built by ``python3 -m elastic_vllm.eval.prepare``). Runs from a plain checkout:
-the repository root goes on sys.path.
+``elastic_vllm/eval/data/`` (built by ``python3 -m elastic_vllm.eval.prepare``). Runs from a plain checkout
+(``_harness`` puts the repository root on sys.path).
 """
 
 import sys
 
 from _harness import ROOT, use_source_kernels
 
-sys.path.insert(0, str(ROOT))
 use_source_kernels(ROOT)  # --impl triton: this checkout's kernels, installed or not
 
 from elastic_vllm.eval.harness import main  # noqa: E402

@@ -23,9 +23,8 @@ import statistics
 import sys
 import time
 
-from _harness import ROOT, environment, write_json
+from _harness import environment, write_json
 
-sys.path.insert(0, str(ROOT))
 os.environ.pop("TRITON_INTERPRET", None)  # the launchers' GPU-path config, not the interpreter's
 
 import torch
