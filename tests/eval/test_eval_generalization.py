@@ -43,15 +43,12 @@ def tiny_suite_argv(d, sources) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, sources):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a shared CPU (test_eval_harness.py says why)
+def run(tmp_path_factory, sources, one_thread):
     d = tmp_path_factory.mktemp("gen")
     out = d / "out"
     argv = ["--suite", "generalization", *tiny_suite_argv(d, sources)]
     argv += ["--out", str(out), "--quick", "--margins", "1000", "-1000"]
     assert harness.main(argv) == 0
-    torch.set_num_threads(n)
     return out
 
 

@@ -16,6 +16,8 @@ from elastic_vllm.hf.testing import byte_tokenizer, save_tiny_model
 from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
 from elastic_vllm.router.model import ElasticRouter
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LENGTH = 512
 ESSAY = " ".join(
     f"Essay sentence {i} is about the {w} of the valley." for i, w in enumerate(["oak", "fox", "sun"] * 60)
@@ -43,16 +45,6 @@ def _records(tok) -> list[dict]:
     rows += generate_robust(tok, [LENGTH], {"summ": 1, "cont": 1, "code": 1}, essays=ESSAY, code=CODE)
     rows += calibration_prompts(tok, ESSAY, (LENGTH,), 1, seed=5)
     return rows
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one intra-op thread is faster, and far faster on a shared 2-core machine (35 ms vs 1.4 ms
-    per 512x64 linear measured with other jobs running)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def elastic_demo(demo_model_dir):
-    # one thread: on a shared 2-core machine two threads made these forwards 6-10x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_elastic_model(demo_model_dir, {"force": "all-FA", "sink": 128, "window": 512})
-    torch.set_num_threads(n)
+def elastic_demo(demo_model_dir, one_thread):
+    return load_elastic_model(demo_model_dir, {"force": "all-FA", "sink": 128, "window": 512})
 
 
 def test_needle_answered_through_elastic_path_all_fa(elastic_demo):

@@ -15,18 +15,11 @@ from elastic_vllm.reference.rope import RopeSpec, invert_rope
 from elastic_vllm.router.checkpoint import BackboneMeta, RouterCheckpointError, RouterMeta, save_router
 from elastic_vllm.router.model import ElasticRouter
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAMILIES = ["llama", "qwen2", "qwen3"]
 L, HKV, D = 3, 2, 16
 CFG = dict(sink=4, window=12, xattn_block=16, xattn_stride=4)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models: one thread is several times faster than two on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def sharp_router(seed=0, gain=30.0):

@@ -8,16 +8,10 @@ from elastic_vllm.hf import enable_elastic, triton_backend
 from elastic_vllm.hf.testing import tiny_model
 from elastic_vllm.router.model import ElasticRouter
 
-pytestmark = pytest.mark.skipif(not triton_backend.available(), reason="triton / elastic_vllm.csrc not importable")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models: one thread is several times faster than two on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not triton_backend.available(), reason="triton / elastic_vllm.csrc not importable"),
+]
 
 
 def test_auto_picks_torch_on_cpu():
