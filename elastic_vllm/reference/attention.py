@@ -126,27 +126,11 @@ def hybrid_attention_ref(
     return out
 
 
-def hybrid_attention_chunked(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    head_modes: torch.Tensor,
-    sink: int,
-    window: int,
-    xa_block_masks: list[torch.Tensor | None] | None = None,
-    xa_block: int = 128,
-    chunk: int = 2048,
-    compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """``hybrid_attention_ref`` by 2048-query chunks with float32 scores and softmax: fits 32K+ prompts on one GPU.
-    ``compute_dtype=q.dtype`` gives "PyTorch in the kernel's dtype", the baseline of the flash-attention rule."""
-    cd = torch.float32 if compute_dtype is None else compute_dtype
-    return hybrid_attention_ref(q, key_cache, value_cache, block_table, query_start_loc, seq_lens, head_modes, sink,
-                                window, xa_block_masks=xa_block_masks, xa_block=xa_block, compute_dtype=cd, chunk=chunk,
-                                softmax_dtype=torch.float32)  # fmt: skip
+def hybrid_attention_chunked(*args, chunk: int = 2048, **kwargs) -> torch.Tensor:
+    """``hybrid_attention_ref`` (same arguments) by 2048-query chunks with float32 scores and softmax: fits 32K+
+    prompts on one GPU. ``compute_dtype=q.dtype`` gives "PyTorch in the kernel's dtype", the baseline of the
+    flash-attention rule."""
+    return hybrid_attention_ref(*args, chunk=chunk, softmax_dtype=torch.float32, **kwargs)
 
 
 def write_paged(

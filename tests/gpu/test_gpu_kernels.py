@@ -190,8 +190,9 @@ def test_xattn(name, q_len, cpu_dry, dev, half, record):
     prefill_attention(q, kc, vc, bt, qsl, sl, hm, sink=128, window=2048, out=out, xa_block_idx=idx,
                       xa_block_cnt=cnt, xattn_block=blk)  # fmt: skip
     dm = [m.to(dev) for m in masks]
-    ref = hybrid_attention_chunked(q, kc, vc, bt, qsl, sl, hm, 128, 2048, dm, blk)
-    base = max_err(hybrid_attention_chunked(q, kc, vc, bt, qsl, sl, hm, 128, 2048, dm, blk, compute_dtype=q.dtype), ref)
+    xa = {"xa_block_masks": dm, "xa_block": blk}
+    ref = hybrid_attention_chunked(q, kc, vc, bt, qsl, sl, hm, 128, 2048, **xa)
+    base = max_err(hybrid_attention_chunked(q, kc, vc, bt, qsl, sl, hm, 128, 2048, **xa, compute_dtype=q.dtype), ref)
     err = float("inf") if bool(torch.isnan(out).any()) else max_err(out, ref)
     record_err(record, name + " attention", err, tol(q.dtype, base))
     assert sel_ok, f"{name}: {rows - same} of {rows} selection rows differ from the reference"
