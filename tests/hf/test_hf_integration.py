@@ -7,7 +7,7 @@ import torch
 from transformers import AttentionInterface
 
 from elastic_vllm.config import ElasticConfig
-from elastic_vllm.hf import ATTN_IMPLEMENTATION, attention_modules, disable_elastic, enable_elastic
+from elastic_vllm.hf import ATTN_IMPLEMENTATION, attention_modules, disable_elastic, enable_elastic, testing
 from elastic_vllm.hf.attention import elastic_attention_forward
 from elastic_vllm.hf.testing import tiny_model
 from elastic_vllm.reference.attention import hybrid_attention_ref, write_paged
@@ -23,13 +23,7 @@ CFG = dict(sink=4, window=12, xattn_block=16, xattn_stride=4)
 
 
 def sharp_router(seed=0, gain=30.0):
-    """A random router whose logits move a lot with the input, so decisions differ between prompts."""
-    torch.manual_seed(seed)
-    r = ElasticRouter(L, D)
-    with torch.no_grad():
-        for layer in r.layers:
-            layer.cls_router_head_agnostic[4].weight.mul_(gain)
-    return r
+    return testing.sharp_router(L, D, seed, gain)
 
 
 def batch(lengths, seed=0, vocab=256):

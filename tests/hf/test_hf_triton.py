@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from elastic_vllm.hf import enable_elastic, triton_backend
-from elastic_vllm.hf.testing import tiny_model
-from elastic_vllm.router.model import ElasticRouter
+from elastic_vllm.hf.testing import sharp_router, tiny_model
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -19,11 +18,7 @@ def test_auto_picks_torch_on_cpu():
 
 
 def test_triton_path_matches_torch_path_padded_fa_xa_with_decode():
-    torch.manual_seed(1)
-    router = ElasticRouter(3, 16)
-    with torch.no_grad():
-        for layer in router.layers:
-            layer.cls_router_head_agnostic[4].weight.mul_(30.0)
+    router = sharp_router(seed=1)
     model = tiny_model("llama")
     state = enable_elastic(
         model, {"mode": "FA-XA", "sink": 4, "window": 12, "xattn_block": 16, "xattn_stride": 4}, router
