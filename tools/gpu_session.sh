@@ -55,11 +55,13 @@ gguf_collect() {  # this call's pieces of .gpu-gguf/* to $GG; a piece's wheels (
   done
 }
 gguf_join() { mkdir -p "$(dirname "$GGUF")" && cat "$GG"/gg.* > "$GGUF"; }  # pieces in name order
-# the GPU tests (pytest, gpu-marked; TRITON_INTERPRET off: tests/conftest.py turns it on for the CPU tests), their
-# rows to a JSON file, within a time limit: gpu_tests SECONDS FILE JSON [pytest args...]
+# the GPU tests (pytest, gpu-marked), their rows to a JSON file, within a time limit: gpu_tests SECONDS FILE JSON
+# [pytest args...]. --confcutdir: tests/gpu/conftest.py only, not tests/conftest.py (the CPU tests' interpreter default
+# and their installs check, which this image does not pass)
 gpu_tests() {
   local t=$1 f=$2 json=$3; shift 3
-  TRITON_INTERPRET=0 timeout "$t" python3 -m pytest -p no:cacheprovider -q -rfEs "tests/gpu/$f" --gpu-out "$json" "$@" \
+  TRITON_INTERPRET=0 timeout "$t" python3 -m pytest -p no:cacheprovider --confcutdir tests/gpu -q -rfEs "tests/gpu/$f" \
+    --gpu-out "$json" "$@" \
     2>&1 | grep -vE "^(INFO|DEBUG|WARNING|\(EngineCore|\(Worker)" | tail -40 || true
 }
 # the vLLM tests named in CHECKS (comma list), one process each (a second engine in one process broke CUDA graph

@@ -230,12 +230,13 @@ def test_step_help_runs():
 
 
 def test_kernel_cases_of_the_hf_triton_path_run_dry(tmp_path):
-    """test_gpu_kernels.py's cases of the transformers engine's Triton path at toy sizes under the interpreter: the
-    plumbing the GPU run relies on (padded prompt and decode step vs the torch path) and the rows it writes."""
+    """test_gpu_kernels.py's cases of the transformers engine's Triton path at toy sizes under the interpreter, run as
+    tools/gpu_session.sh runs the GPU tests (tests/gpu/conftest.py alone): the plumbing the GPU run relies on (padded
+    prompt and decode step vs the torch path) and the rows it writes."""
     out = tmp_path / "ck.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(GPU_DIR / "test_gpu_kernels.py"),
-         "--cpu-dry", "-k", "hf_triton", "--gpu-out", str(out)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--confcutdir", str(GPU_DIR),
+         str(GPU_DIR / "test_gpu_kernels.py"), "--cpu-dry", "-k", "hf_triton", "--gpu-out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=GPU_DIR.parents[1],
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -254,4 +255,5 @@ def test_gpu_tests_are_skipped_without_a_gpu():
          str(GPU_DIR / "test_gpu_vllm.py"), "-rs"],
         capture_output=True, text=True, timeout=600, cwd=GPU_DIR.parents[1],
     )  # fmt: skip
-    assert proc.returncode == 0 and " passed" not in proc.stdout and "no CUDA device" in proc.stdout, proc.stdout[-3000:]
+    out = proc.stdout
+    assert proc.returncode == 0 and " passed" not in out and "no CUDA device" in out, out[-3000:]
