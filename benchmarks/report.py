@@ -247,8 +247,13 @@ def engine_rows() -> list[Row]:
 
 # --- serving -------------------------------------------------------------------------------------------------
 # The committed serve_bench runs, oldest first: a (comparison, workload, burst) row comes from the last file that
-# holds it (the later run measured only 1K and 8K of the whole-layer router; a new run's file goes last).
-SERVING = ("serve-vs-flash-attn-h200.json", "serve-1k-8k-h200.json")
+# holds it (each file's GPU is in its name: ratios are only ever taken within one file; a new run's file goes last).
+SERVING = (
+    "serve-vs-flash-attn-h200.json",
+    "serve-1k-8k-h200.json",
+    "serve-routers-h100.json",
+    "serve-demo-chat-h100.json",
+)
 
 
 def _serve_bench():
@@ -265,6 +270,12 @@ def _serve_commit(d: dict, workload: str) -> str:
         if "--workloads " in m["command"] and workload in m["command"].split("--workloads ")[1].split()[0].split(","):
             return m["git_commit"][:7] if "+" not in m["git_commit"] else m["git_commit"]
     return d["environment"]["git_commit"][:7]
+
+
+def _gpu_of(f: str) -> str:
+    """The card a serving file ran on, short ("H100", "H200"), from its environment record."""
+    gpu = load(f)["environment"]["gpu"]
+    return next((g for g in ("H100", "H200", "B200", "A100") if g in gpu), gpu)
 
 
 def serving_rows() -> dict[tuple[str, str, str], tuple[dict, str, dict]]:
@@ -338,8 +349,11 @@ def cpu_rows() -> list[Row]:
 
 
 # --- correctness checks --------------------------------------------------------------------------------------
+# check_kernels.py runs, one row each (a kernel change is checked on whichever GPU the session got)
+CHECK_KERNELS = ("check-kernels-h200.json", "check-kernels-h100.json")
+
+
 def check_rows() -> list[Row]:
-    c = load("check-kernels-h200.json")
     v = load("check-vllm-h200.json")
     # a later run's result of a check wins; a check a run asked for but did not run ('not_run': an environment
     # failure, a timeout) keeps its earlier result, and is named as not run at that commit
@@ -351,14 +365,18 @@ def check_rows() -> list[Row]:
     vllm = "; ".join(f"{n} {'pass' if r['ok'] else 'FAIL'} at {at}" for n, (r, at) in latest.items())
     vllm += "".join(f"; not run at {at}: {', '.join(names)}" for at, names in skipped.items())
     tp = load("check-tp-h200x2.json")
-    return [
+    kernel_rows = [
         (
             "Kernel correctness against the PyTorch references",
-            c["env"]["gpu"],
-            f"{sum(r['ok'] for r in c['results'])} / {len(c['results'])} checks pass (prefill, XAttention, decode, "
-            f"CUDA graph replay, router) at {c['env']['git_commit'][:7]}",
-            "check-kernels-h200.json",
-        ),
+            k["env"]["gpu"],
+            f"{sum(r['ok'] for r in k['results'])} / {len(k['results'])} checks pass (prefill, XAttention, decode, "
+            f"CUDA graph replay, router) at {k['env']['git_commit'][:7]}",
+            f,
+        )
+        for f, k in ((f, load(f)) for f in CHECK_KERNELS)
+    ]
+    return [
+        *kernel_rows,
         (
             "vLLM checks on the GPU (demo model + Llama-3.1-8B shape)",
             f"{v['runs'][0]['env']['gpu']}, vLLM {v['runs'][0]['env']['vllm']}",
@@ -637,9 +655,10 @@ def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
             "e2e-vllm-h200-llama-decode-bs128.json",
         ),
         (
-            "`vllm serve` + `vllm bench serve` vs FLASH_ATTN, warm bursts, Omega_MSR 0.75 (H200)",
+            "`vllm serve` + `vllm bench serve` vs FLASH_ATTN, warm bursts, Omega_MSR 0.75 (whole layers SA)",
             "; ".join(
-                f"{label} throughput {sv[(w, 'warm')]['throughput']:.2f}x, TTFT speed {sv[(w, 'warm')]['ttft_speedup']:.2f}x"
+                f"{label} throughput {sv[(w, 'warm')]['throughput']:.2f}x, TTFT speed {sv[(w, 'warm')]['ttft_speedup']:.2f}x "
+                f"({_gpu_of(sv_file[w])})"
                 for label, w in (("1K", "1k"), ("32K", "32k"), ("128K", "128k"), ("all-FA 32K", "fa32k"))
             ),
             tuple(dict.fromkeys(sv_file[w] for w in ("1k", "32k", "128k", "fa32k"))),  # the files of those rows

@@ -72,6 +72,34 @@ def _convert(a: argparse.Namespace) -> int:
     return 0
 
 
+# --- router-rank ---------------------------------------------------------------------------
+def _router_rank_args(p: argparse.ArgumentParser) -> None:
+    from elastic_vllm.train.ranking import DEFAULT_LENGTHS, DEFAULT_PER_LENGTH, DEFAULT_SEED
+
+    p.add_argument("router", help="router folder (router.json + router.safetensors); its router.json is updated")
+    p.add_argument("--model", required=True, help="the router's backbone: a transformers model folder")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="prompt lengths in tokens")
+    p.add_argument("--per-length", type=int, default=DEFAULT_PER_LENGTH, help="calibration prompts per length")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="calibration prompts' seed")
+    p.add_argument("--haystack", help="text file to hide the needles in (default: RULER's essays, second half)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (float32 either way)")
+
+
+def _router_rank(a: argparse.Namespace) -> int:
+    from elastic_vllm.train.ranking import rank_router
+
+    ranking = rank_router(
+        a.router, a.model, a.lengths, a.per_length, a.seed, a.haystack, a.device,
+        log=lambda m: print(m, file=sys.stderr),
+    )  # fmt: skip
+    flat = sorted(
+        ((v, (layer, h)) for layer, row in enumerate(ranking.scores) for h, v in enumerate(row)), reverse=True
+    )
+    print(json.dumps({"router": a.router, "calibration": ranking.calibration, "top": [
+        {"layer": layer, "kv_head": h, "score": round(v, 4)} for v, (layer, h) in flat[:10]]}))  # fmt: skip
+    return 0
+
+
 # --- serve ---------------------------------------------------------------------------------
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="model folder or id (default: the demo model, fetched on first use)")
@@ -196,6 +224,11 @@ COMMANDS = {
         _fetch_model,
     ),
     "convert": ("convert the authors' router checkpoint into elastic-vllm's format", _convert_args, _convert),
+    "router-rank": (
+        "measure a router backbone's retrieval-head ranking and store it in the router (for `fa_floor`)",
+        _router_rank_args,
+        _router_rank,
+    ),
     "demo": (
         "the main job: serve the demo model with elastic attention, send three kinds of requests, show the routing",
         _demo_args,

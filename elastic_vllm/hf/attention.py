@@ -94,7 +94,10 @@ def _route(state: ElasticState, module, layer: int, k_pos: torch.Tensor, k_valid
             n_sa = budget_sa_counts(cfg.target_omega, state.num_layers, 0, 1, state.num_kv_heads)[layer]
             budget = torch.full((B,), n_sa, dtype=torch.long, device=dev)
         force = cfg.force if logits is not None else torch.full((B,), FORCE_CODE[cfg.force], device=dev)
-        is_fa = route_heads(logits, cfg, num_heads=state.num_kv_heads, force=force, bias=cfg.bias, budget=budget).fa
+        floor = None if state.floor is None else state.floor[layer].to(dev)
+        is_fa = route_heads(
+            logits, cfg, num_heads=state.num_kv_heads, force=force, bias=cfg.bias, budget=budget, floor=floor
+        ).fa
     state.record(layer, is_fa, logits)
     return is_fa, r
 

@@ -60,6 +60,9 @@ class ElasticRouter(nn.Module):
         self.layers = nn.ModuleList(LayerRouter(head_dim, hidden_mult) for _ in range(num_layers))
         self.register_buffer("input_shift", None)  # set_input_norm; None = no standardization
         self.register_buffer("input_scale", None)
+        # [num_layers, H_kv] float32 retrieval scores of the checkpoint (router.json "retrieval"), None without one:
+        # metadata for the fail-safe floor (policy.floor_of), not a weight (kept on the host, out of the state dict)
+        self.retrieval_scores: torch.Tensor | None = None
 
     def set_input_norm(self, shift: torch.Tensor, scale: torch.Tensor) -> None:
         """Fix the input standardization: shift, scale [num_layers, H_kv, head_dim] (finite, scale > 0)."""

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from elastic_vllm.config import ElasticConfig, HeadMode
+from elastic_vllm.config import ConfigError, ElasticConfig, HeadMode
 from elastic_vllm.router.model import decide, decide_budget
 
 FORCE_CODE = {"auto": 0, "all-FA": 1, "all-SA": 2}
@@ -171,3 +171,22 @@ class RoutingTables(NamedTuple):
             self.logits[s, layer] = logits.index_select(0, f)
             if self.pooled is not None and pooled is not None:
                 self.pooled[s, layer] = pooled.index_select(0, f)
+
+
+def floor_of(router, cfg: ElasticConfig, where: object = "the router") -> torch.Tensor | None:
+    """bool [L, H_kv] floor mask of the whole model for ``cfg.fa_floor`` from ``router.retrieval_scores`` (the
+    checkpoint's ranking); None when the floor is off or no router routes. A floor > 0 with a router without a
+    ranking is a ConfigError naming the command that adds one."""
+    if not cfg.fa_floor or router is None:
+        return None
+    scores = getattr(router, "retrieval_scores", None)
+    if scores is None:
+        raise ConfigError(
+            f"elastic.fa_floor {cfg.fa_floor} needs the retrieval-head ranking of the router, but {where} has "
+            f"none: add it with `elastic-vllm router-rank {where if where != 'the router' else 'ROUTER_DIR'} "
+            "--model MODEL_DIR` (measures it and stores it in router.json), or set fa_floor 0"
+        )
+    try:
+        return floor_mask(scores, cfg.fa_floor)
+    except ValueError as e:
+        raise ConfigError(f"invalid elastic config: elastic.{e}") from None

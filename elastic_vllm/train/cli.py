@@ -55,6 +55,13 @@ def train_router_args(p: argparse.ArgumentParser) -> None:
         "--time-budget-s", type=float, help="stop early, still writing router/summary/plots, before passing this"
     )
     p.add_argument("--backbone-id", help="backbone name recorded in router.json")
+    p.add_argument(
+        "--rank-prompts", type=int, default=d["rank_prompts"].default,
+        help="calibration needle prompts per length for the retrieval-head ranking stored in the router (0: none; "
+        f"fa_floor needs it) (default {d['rank_prompts'].default})",
+    )  # fmt: skip
+    p.add_argument("--rank-lengths", type=int, nargs="+", default=list(d["rank_lengths"].default),
+                   help="calibration prompt lengths in tokens")  # fmt: skip
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
@@ -97,6 +104,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         plots=not a.no_plots,
         progress=not a.no_progress,
         backbone_id=a.backbone_id,
+        rank_prompts=a.rank_prompts,
+        rank_lengths=tuple(a.rank_lengths),
     )
 
 

@@ -11,7 +11,8 @@ the problem and its fix, for:
 - the model: NeoX-RoPE architecture, no speculative decoding;
 - the router checkpoint: found (``router_path`` or the shipped routers, in the documented search
   order), intact (sha256, tensor names and shapes, finite weights) and trained for this model's shape
-  (from its config.json): ``RouterCheckpointError``;
+  (from its config.json): ``RouterCheckpointError``; with ``fa_floor`` > 0, holding a retrieval-head ranking
+  (``ConfigError`` naming ``elastic-vllm router-rank``);
 - the Prometheus multiprocess folder, when PROMETHEUS_MULTIPROC_DIR is set: an existing folder this
   process can write to.
 
@@ -103,6 +104,7 @@ def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
 
     from elastic_vllm.router.checkpoint import BackboneShape, load_router
     from elastic_vllm.router.discovery import resolve_router_path
+    from elastic_vllm.router.policy import floor_of
     from elastic_vllm.vllm_plugin import compat
     from elastic_vllm.vllm_plugin.ops import resolve_ops
     from elastic_vllm.vllm_plugin.state import check_model_support, parse_additional_config
@@ -119,6 +121,7 @@ def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
     if path is not None:
         ck = load_router(path, expect=shape, model_name=model_name, device="cpu")
         check_router_training(ck.meta.attention, cfg, ck.path)
+        floor_of(ck.router, cfg, ck.path)  # fa_floor > 0 needs the checkpoint's ranking
     check_metrics_dir(http=http)
     return cfg
 
@@ -170,4 +173,6 @@ def check_serve_args(model: str, extra: list[str]) -> None:
     name = _arg(extra, "--served-model-name") or model
     path = resolve_router_path(cfg, shape, name)
     if path is not None:
-        load_router(path, expect=shape, model_name=name, device="cpu")
+        from elastic_vllm.router.policy import floor_of
+
+        floor_of(load_router(path, expect=shape, model_name=name, device="cpu").router, cfg, path)

@@ -62,7 +62,7 @@ from elastic_vllm.router.checkpoint import (
 )
 from elastic_vllm.router.discovery import resolve_router_path
 from elastic_vllm.router.model import budget_sa_counts
-from elastic_vllm.router.policy import RoutingTables, decode_modes
+from elastic_vllm.router.policy import RoutingTables, decode_modes, floor_of
 from elastic_vllm.vllm_plugin import compat, observe, parallel
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
 from elastic_vllm.vllm_plugin.overrides import (
@@ -85,10 +85,11 @@ NEOX_ROPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2
 RECORD_POOLED_ENV = "ELASTIC_VLLM_RECORD_POOLED"
 # Hybrid prefill steps whose longest row reaches this many tokens run their FA heads on vLLM's FlashAttention
 # (``ops.fa_heads_attention``: Hkv calls per layer); shorter ones keep every head in the one hybrid launch.
-# The split saves ~19% of the FA heads' time (fused FA tiles 16.6 ms vs FA3 13.3 ms, 32K dense layer, H200) and
-# costs Hkv more launches (~40 us of host per layer at 8 KV heads): at 8K with 2 of 8 heads FA the saving
-# (~0.05 ms of the layer's 0.29 ms of FA work) is about that cost, at 16K it is ~5x it. Until
-# benchmarks/fa_split.py has timed the crossing on the GPU, 16K is the bound.
+# benchmarks/results/fa-split-h100.json (one layer, split vs fused, SA shares 0-0.75): the Llama-3.1-8B shape
+# (d128, 8 KV heads) gains from 16K at every share (2 of 8 heads FA: 1.41 vs 1.61 ms at 16K context), is level at
+# 8K-12K (0.93 vs 0.93 ms, 0.75 vs 0.74 ms) and loses at 4K (0.52 vs 0.39 ms: the Hkv extra launches); the demo
+# shape (d64, 3 KV heads) loses until 32K, past its 8K context. 16K: the d128 gain is clear (>= 1.14x) at every
+# share, where 8K-12K would trade a tie for a loss on d64 models.
 FA_SPLIT_MIN_SEQ = 16384
 # Budget tables kept (elastic_target_omega / target_omega): clients choose the floats, so the cache must not grow
 # with them; each table is L ints and an evicted one is rebuilt on its next use.
@@ -209,6 +210,8 @@ class EngineState(compat.RunnerObserver):
         self.router = None
         self.router_path = None
         self._load_router()
+        # the fa_floor mask of the whole model [L, all KV heads] (None: off); this rank keeps its KV heads' columns
+        self.floor_heads = floor_of(self.router, self.cfg, self.router_path)
         self.params = AttnParams(
             scale=0.0,  # set per layer by the impl
             sink=self.cfg.sink,
@@ -286,9 +289,12 @@ class EngineState(compat.RunnerObserver):
         self.tables = RoutingTables(
             self.row_modes, self.table_modes, self.table_fa, self.table_logits, self.table_pooled
         )
-        # the fa_floor mask of this rank's KV heads, [L, Hkv] int8 (all 0: no floor)
+        # the fa_floor mask of this rank's KV heads, [L, Hkv] int8 (all 0: no floor); with pipeline parallelism the
+        # tables keep the global layer index, so a stage reads its own layers' rows
         self.floor = torch.zeros(L, H, dtype=torch.int8, device=device)
-        self.has_floor = False
+        self.has_floor = self.floor_heads is not None and bool(self.floor_heads[:, list(self.kv_heads)].any())
+        if self.floor_heads is not None:
+            self.floor.copy_(self.floor_heads[:, list(self.kv_heads)].to(torch.int8))
         self.free_slots = list(range(self.num_slots - 2, -1, -1))
         self.timer = StepTimer(device)
         self.kernel_router = (

@@ -67,6 +67,7 @@ def run(env, out, family="llama", **kw):
         progress=False,
         plots=False,
         save_every=100,
+        rank_prompts=0,  # the ranking has its own test (test_training_stores_the_retrieval_ranking)
     )
     cfg.update(kw)
     summary = train(TrainConfig(**cfg))
@@ -158,6 +159,33 @@ def test_resume_is_exact(env, tmp_path):
     b = load_router(tmp_path / "part" / "router").router.state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+
+
+def test_training_stores_the_retrieval_ranking(env, tmp_path):
+    """The finish step measures the backbone's retrieval-head ranking (eval.baselines.retrieval_scores on the
+    calibration prompts) and stores it with what measured it; fa_floor then loads it from the checkpoint."""
+    from elastic_vllm.config import ElasticConfig
+    from elastic_vllm.eval.baselines import retrieval_scores
+    from elastic_vllm.router.policy import floor_of
+    from elastic_vllm.train.ranking import calibration_records
+
+    hay = tmp_path / "hay.txt"
+    hay.write_text(
+        " ".join(f"Sentence {i} tells of the {w} near the river." for i, w in enumerate(["oak", "fox"] * 60))
+    )
+    run(env, tmp_path / "o", steps=2, rank_prompts=2, rank_lengths=(300,), rank_haystack=str(hay))
+    ck = load_router(tmp_path / "o" / "router")
+    cal = ck.meta.retrieval.calibration
+    assert cal["prompts"] == 2 and cal["lengths"] == [300] and cal["haystack"] == "hay.txt" and cal["seed"] == 1042
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(env["llama"])
+    model = AutoModelForCausalLM.from_pretrained(env["llama"], dtype=torch.float32, attn_implementation="sdpa")
+    records, desc = calibration_records(tok, (300,), 2, haystack=hay)
+    assert desc["inputs_sha256"] == cal["inputs_sha256"]
+    want = retrieval_scores(model, tok, records)  # the frozen backbone: the same scores as a fresh measurement
+    torch.testing.assert_close(ck.router.retrieval_scores, want, atol=1e-5, rtol=1e-4)
+    assert floor_of(ck.router, ElasticConfig(fa_floor=2)).sum() == 2
 
 
 def test_outputs_checkpoint_logs_and_plots(env, tmp_path):
