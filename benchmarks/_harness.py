@@ -1,5 +1,6 @@
 """What every benchmark here shares: the run's record (machine, versions,
-commit, command), timing, the correctness gate, JSON written atomically, and running from a bare checkout.
+commit, command), timing, the correctness gate, JSON written atomically, and running from a bare checkout (the
+repository root first on sys.path: this tree's package, kernels included, is the one measured).
 
 A benchmark script imports it as ``_harness`` (the script's folder is first on sys.path). Nothing here decides
 which measurements run: a script runs the jobs it is asked for.
@@ -7,7 +8,6 @@ which measurements run: a script runs the jobs it is asked for.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -25,42 +25,11 @@ def log(msg: object) -> None:
     print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
 
 
-# --- running from a bare checkout (the GPU machine's copy of the tree: nothing pip-installed) ---------------
-def use_source_kernels(root: Path | str = ROOT) -> None:
-    """Make ``elastic_vllm.csrc`` the package of ``root/csrc`` (setup.py installs csrc/ under that name; a bare
-    checkout has no such package), also when another one (an editable install of a different checkout) is
-    importable: a benchmark times and checks the kernels of its own tree."""
-    import elastic_vllm
-
-    csrc = (Path(root) / "csrc").resolve()
-    if not (csrc / "__init__.py").is_file():
-        raise FileNotFoundError(f"{csrc}/__init__.py: not a source checkout of elastic-vllm")
-    spec = importlib.util.find_spec("elastic_vllm.csrc")
-    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
-    if origin is not None and origin.parent == csrc:
-        return
-    spec = importlib.util.spec_from_file_location(
-        "elastic_vllm.csrc", csrc / "__init__.py", submodule_search_locations=[str(csrc)]
-    )
-    for name in [n for n in sys.modules if n.startswith("elastic_vllm.csrc.")]:
-        del sys.modules[name]  # submodules of the previous mapping
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["elastic_vllm.csrc"] = mod
-    spec.loader.exec_module(mod)
-    elastic_vllm.csrc = mod
-
-
-def bootstrap() -> None:
-    """``elastic_vllm.csrc`` -> this tree's csrc/ (on the GPU machine, where nothing is pip-installed, and beside an
-    editable install of another checkout)."""
-    use_source_kernels(ROOT)
-
-
 # --- the run's record (elastic_vllm.provenance, shared with the evaluation and the GPU checks) ---------------
 def environment(modules: tuple[str, ...] = ("torch", "triton"), argv: list[str] | None = None) -> dict:
-    """Everything a result file records about its run: provenance, versions and which kernel sources ran
-    (csrc/ of this tree: the one ``bootstrap`` maps)."""
-    return {**provenance(argv), **versions(modules), "csrc_sha256": kernel_sources_sha256(ROOT / "csrc")}
+    """Everything a result file records about its run: provenance, versions and which kernel sources ran (this
+    tree's elastic_vllm/ops, the package ``_harness`` puts first on sys.path)."""
+    return {**provenance(argv), **versions(modules), "ops_sha256": kernel_sources_sha256(ROOT / "elastic_vllm" / "ops")}
 
 
 # --- timing --------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable, Iterable
 
 import torch  # (does not import triton: TRITON_INTERPRET can still be set before the kernels load)
-from _harness import ROOT, bench, bootstrap, environment, gate, log, quantiles, write_json
+from _harness import ROOT, bench, environment, gate, log, quantiles, write_json
 
 HQ, HKV = 32, 8
 # vLLM's default KV block size; the elastic backend's own default on CUDA is 128 (``ElasticAttentionBackend
@@ -219,8 +219,8 @@ def ceilings(run: KernelRun) -> None:
 def correctness(run: KernelRun) -> None:
     """Prefill (block sizes 16 and 128, dense and 75% SSA) and ragged sparse decode against the fp32 reference,
     by the flash-attention rule (``_harness.gate``)."""
-    from elastic_vllm.csrc.decode import decode_attention
-    from elastic_vllm.csrc.prefill import prefill_attention
+    from elastic_vllm.ops.decode.kernel import decode_attention
+    from elastic_vllm.ops.prefill.kernel import prefill_attention
     from elastic_vllm.reference.attention import hybrid_attention_chunked, hybrid_attention_ref
     from elastic_vllm.reference.paged import make_paged
 
@@ -278,7 +278,6 @@ def start(args: argparse.Namespace) -> KernelRun | None:
     if args.cpu_dry:
         os.environ["TRITON_INTERPRET"] = "1"
     out = args.out or str(ROOT / "benchmarks" / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    bootstrap()
     if not args.cpu_dry and not torch.cuda.is_available():
         print("no CUDA device (use --cpu-dry for a plumbing check)")
         return None

@@ -11,11 +11,9 @@ The harness lives in ``elastic_vllm.eval.harness`` (also ``elastic-vllm eval``);
 
 import sys
 
-from _harness import ROOT, use_source_kernels
+import _harness  # noqa: F401  (this checkout's package first on sys.path, its kernels included)
 
-use_source_kernels(ROOT)  # --impl triton: this checkout's kernels, installed or not
-
-from elastic_vllm.eval.harness import main  # noqa: E402
+from elastic_vllm.eval.harness import main
 
 if __name__ == "__main__":
     sys.exit(main())

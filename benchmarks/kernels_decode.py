@@ -25,7 +25,7 @@ def decode_visible(run: KernelRun, ctx: int) -> int:
 
 
 def decode_batch(run: KernelRun, ctx: int, B: int) -> None:
-    from elastic_vllm.csrc.decode import decode_attention
+    from elastic_vllm.ops.decode.kernel import decode_attention
 
     rows = run.rows("decode")
     d = 128

@@ -23,7 +23,7 @@ from _kernel_bench import KernelRun, kernel_resources, main
 
 
 def ours(run: KernelRun, x: dict, share: float, cfg: dict):
-    from elastic_vllm.csrc.prefill import prefill_attention
+    from elastic_vllm.ops.prefill.kernel import prefill_attention
 
     cfg = dict(cfg)
     kc, vc, bt = run.paged(x, cfg.pop("bs"))
@@ -112,7 +112,7 @@ def prefill_section(run: KernelRun, anchors: Anchors, S: int, d: int, shares, ex
 
 
 def sections(run: KernelRun) -> list:
-    from elastic_vllm.csrc.prefill import _prefill_kernel
+    from elastic_vllm.ops.prefill.kernel import _prefill_kernel
 
     anchors = Anchors(run)
     shares = (0.0, 0.75) if run.quick else (0.0, 0.5, 0.75, 1.0)

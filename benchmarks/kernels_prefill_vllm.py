@@ -26,7 +26,7 @@ from _kernel_bench import HKV, HQ, KernelRun, main
 
 
 def layout_section(run: KernelRun, S: int, d: int, shares, chunk: int) -> None:
-    from elastic_vllm.csrc.prefill import prefill_attention
+    from elastic_vllm.ops.prefill.kernel import prefill_attention
 
     x = run.prefill_inputs(S, d)
     cfg = run.prefill_config(d)
@@ -68,7 +68,7 @@ def layout_section(run: KernelRun, S: int, d: int, shares, chunk: int) -> None:
 
 
 def context_section(run: KernelRun, anchors: Anchors, S: int, d: int, share: float, chunk: int) -> None:
-    from elastic_vllm.csrc.prefill import prefill_attention
+    from elastic_vllm.ops.prefill.kernel import prefill_attention
 
     dev, dt = run.dev, run.dt
     x = run.prefill_inputs(S, d)

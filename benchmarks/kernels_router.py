@@ -35,7 +35,7 @@ def graphed(fn):
 
 
 def router_section(run: KernelRun) -> None:
-    from elastic_vllm.csrc.route import Router, _route_router_kernel, _route_task_kernel, pack_router_weights
+    from elastic_vllm.ops.route.kernel import Router, _route_router_kernel, _route_task_kernel, pack_router_weights
     from elastic_vllm.router.model import ElasticRouter
 
     L, d, dev = 32, 128, run.dev

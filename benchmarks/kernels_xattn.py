@@ -23,8 +23,8 @@ MODES = {"FA-SSA": (0, 1), "FA-XA": (0, 2), "XA-SSA": (2, 1), "all-XA": (2, 2), 
 
 
 def xattn_section(run: KernelRun, S: int, chunk: int, thresholds=(0.9,)) -> None:
-    from elastic_vllm.csrc.prefill import prefill_attention
-    from elastic_vllm.csrc.xattn_select import xattn_max_blocks, xattn_select
+    from elastic_vllm.ops.prefill.kernel import prefill_attention
+    from elastic_vllm.ops.xattn_select.kernel import xattn_max_blocks, xattn_select
 
     dev = run.dev
     x = run.prefill_inputs(S, 128)
@@ -71,8 +71,8 @@ def xattn_section(run: KernelRun, S: int, chunk: int, thresholds=(0.9,)) -> None
 
 
 def resources(run: KernelRun) -> None:
-    from elastic_vllm.csrc.prefill import _prefill_kernel
-    from elastic_vllm.csrc.xattn_select import _xattn_select_kernel
+    from elastic_vllm.ops.prefill.kernel import _prefill_kernel
+    from elastic_vllm.ops.xattn_select.kernel import _xattn_select_kernel
 
     run.report["xattn_kernels"] = {"select": kernel_resources(_xattn_select_kernel),
                                    "prefill": kernel_resources(_prefill_kernel)}  # fmt: skip

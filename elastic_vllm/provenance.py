@@ -60,21 +60,18 @@ def versions(modules: tuple[str, ...] = ("torch", "triton")) -> dict:
 
 
 def kernel_sources_sha256(folder: Path | None = None) -> str:
-    """One hash of the Triton kernel sources (*.py of their folder, by name): which kernels a result ran when the
-    tree is not a git checkout (the device machine) or when two trees are compared."""
-    if folder is None:
-        import importlib.util
-
-        folder = Path(importlib.util.find_spec("elastic_vllm.csrc").submodule_search_locations[0])
+    """One hash of the Triton kernel sources (every *.py under elastic_vllm/ops, by relative path): which kernels a
+    result ran when the tree is not a git checkout (the device machine) or when two trees are compared."""
+    folder = Path(__file__).resolve().parent / "ops" if folder is None else Path(folder)
     h = hashlib.sha256()
-    for f in sorted(Path(folder).glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for f in sorted(folder.rglob("*.py")):
+        h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
 def run_record(modules: tuple[str, ...] = ("torch", "triton"), argv: list[str] | None = None) -> dict:
     """Everything a result file records about its run: provenance, versions and which kernel sources ran."""
-    return {**provenance(argv), **versions(modules), "csrc_sha256": kernel_sources_sha256()}
+    return {**provenance(argv), **versions(modules), "ops_sha256": kernel_sources_sha256()}
 
 
 def write_json(path: str | os.PathLike | None, payload: dict) -> None:

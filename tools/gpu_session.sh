@@ -18,7 +18,7 @@
 #   bash tools/gpu_session.sh fa_split    # benchmarks/fa_split.py: hybrid prompt steps, fused kernel vs FA heads on
 #                                           # vLLM's FA3 (after staging); FA_SPLIT_SHAPES, FA_SPLIT_SHARES
 #   bash tools/gpu_session.sh serve       # benchmarks/serve_bench.py: SERVERS, WORKLOADS, SB_MML, MERGE, SB_NAME
-#   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
+#   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's kernels (tools/ab_prep.sh)
 #   bash tools/gpu_session.sh budgets     # eval --suite budgets (= elastic-vllm eval) of the demo model and ROUTER
 #                                           # (default: the shipped one): score vs realized Omega_MSR; SAMPLES, BUDGET
 #   bash tools/gpu_session.sh ramp        # benchmarks/load_ramp.py (P15): load policy off vs on, request-rate steps
@@ -41,8 +41,6 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 ELASTIC_VLLM_CACHE=/tmp/evc
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # tools/device_site (a pydantic stand-in for the image, which has none) last: a staged vLLM's real one comes first
 export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD:$PWD/tools/device_site
-# the kernels as elastic_vllm.csrc (setup.py's mapping) where nothing is installed (the device): the GPU tests import them
-[ -e elastic_vllm/csrc ] || python3 -c "import elastic_vllm.csrc" 2>/dev/null || ln -s ../csrc elastic_vllm/csrc
 GGUF=${GGUF:-/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf}
 OUT=${OUT:-/tmp/out}
 GG=${GG_DIR:-/tmp/gg}  # the GGUF's pieces (tools/gpu_gguf.sh) gathered over several calls
@@ -111,7 +109,7 @@ case "$step" in
     # outlive this call) on one GPU
     [ -f "$GGUF" ] || { gguf_collect; gguf_join; }
     [ -d .gpu-carry ] && rm -rf /tmp/gpucarry && cp -r .gpu-carry /tmp/gpucarry
-    rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts tools .whl pyproject.toml /tmp/tree-train/
+    rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm scripts tools .whl pyproject.toml /tmp/tree-train/
     # the trainers' own site (pydantic, gguf) and the model converted once, before they start (no races)
     [ -n "${LOCAL_DRY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/elastic-site .whl/*.whl
     export PYTHONPATH=/tmp/elastic-site${TRAIN_SITE:+:$TRAIN_SITE}:$PWD; M=$(demo); echo "model $M"
@@ -280,10 +278,10 @@ case "$step" in
   tune)
     python3 tools/tune_kernels.py --out "$OUT/tune.json" ${SECTIONS:+--sections "$SECTIONS"} 2>&1 | tail -45 ;;
   ab)
-    # the kernels of this tree vs the csrc/ of another commit (`bash tools/ab_prep.sh REF`, carry .abtest), in
+    # the kernels of this tree vs the elastic_vllm/ops/ of another commit (`bash tools/ab_prep.sh REF`, carry .abtest), in
     # one call: same GPU, same clocks and power state. SECTIONS: kernels.py's --sections filter; CHECK_K: the
     # GPU tests of this tree first (test_gpu_kernels.py -k); KERNELS_ARGS: more kernels.py flags (--quick, or
-    # --cpu-dry for a plumbing check). Back: kernels-tree.json, kernels-ref.json (env.csrc_sha256 names the
+    # --cpu-dry for a plumbing check). Back: kernels-tree.json, kernels-ref.json (env.ops_sha256 names the
     # sources each side timed), check-kernels-tree.json
     ab=${AB_DIR:-.abtest}
     [ -f "$ab/REF" ] || { echo "no $ab/REF: run tools/ab_prep.sh REF and carry .abtest"; exit 2; }
@@ -292,7 +290,8 @@ case "$step" in
     if [ -n "${CHECK_K:-}" ]; then
       gpu_tests ${CHECK_TIMEOUT:-200} test_gpu_kernels.py "$OUT/check-kernels-tree.json" -k "$CHECK_K"
     fi
-    rm -rf /tmp/ab-ref && mkdir -p /tmp/ab-ref && cp -r benchmarks tests elastic_vllm /tmp/ab-ref/ && cp -r "$ab/csrc" /tmp/ab-ref/
+    rm -rf /tmp/ab-ref && mkdir -p /tmp/ab-ref && cp -r benchmarks tests elastic_vllm /tmp/ab-ref/ \
+      && rm -rf /tmp/ab-ref/elastic_vllm/ops && cp -r "$ab/ops" /tmp/ab-ref/elastic_vllm/ops
     for side in tree ref; do
       dir=$PWD; commit=${GIT_COMMIT:-unknown}
       [ $side = ref ] && { dir=/tmp/ab-ref; commit=$ref; }

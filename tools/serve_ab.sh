@@ -2,7 +2,7 @@
 # A serving regression bisected on the GPU: the llama-elastic server of other commits, each with its own
 # benchmarks/serve_bench.py, in one device call after staging (same clocks as the current tree's run).
 #
-#   bash tools/serve_ab.sh prep REF...   # here: .abtest/trees/<sha>/ (the package, csrc/, benchmarks/*.py, setup)
+#   bash tools/serve_ab.sh prep REF...   # here: .abtest/trees/<sha>/ (the package with its kernels, benchmarks/*.py, setup)
 #   bash tools/serve_ab.sh run           # device (carry [".abtest"]): each tree's llama-elastic on WORKLOADS
 #                                        # (default 1k); OUT/serve-<sha>.json and .md
 set -euo pipefail

@@ -105,7 +105,7 @@ def _schedule(sass: str) -> str:
 
 
 def prefill_rows() -> list[dict]:
-    from elastic_vllm.csrc import prefill as P
+    from elastic_vllm.ops.prefill import kernel as P
 
     got = _capture(P._prefill_kernel)
     rows = []
@@ -138,9 +138,8 @@ def prefill_rows() -> list[dict]:
 
 
 def router_rows() -> list[dict]:
-    from elastic_vllm.csrc import _common
-    from elastic_vllm.csrc import route as R
-
+    from elastic_vllm.ops import _common
+    from elastic_vllm.ops.route import kernel as R
     from elastic_vllm.router.model import ElasticRouter
 
     got = _capture(R._route_task_kernel, R._route_router_kernel)
@@ -162,8 +161,8 @@ def router_rows() -> list[dict]:
 
 def decode_rows() -> list[dict]:
     """The split-KV decode kernel and its merge kernel (a programmatic dependent launch on sm_90) at 32K x 16."""
-    from elastic_vllm.csrc import _common
-    from elastic_vllm.csrc import decode as D
+    from elastic_vllm.ops import _common
+    from elastic_vllm.ops.decode import kernel as D
 
     got = _capture(D._decode_kernel, D._decode_merge_kernel)
     _common.pdl_supported = lambda device: True

@@ -57,7 +57,7 @@ TUNE_CANDIDATES_D64 = [
 
 
 def tune_section(run: KernelRun, d: int) -> None:
-    from elastic_vllm.csrc.prefill import _prefill_kernel
+    from elastic_vllm.ops.prefill.kernel import _prefill_kernel
 
     rows = run.rows("tune")
     S = run.size(32768, 256)
@@ -103,7 +103,7 @@ def decode_sweep(run: KernelRun, key: str, shapes, variants, timing: str) -> Non
     """Rows ``report[key]``: for each (ctx, B) of ``shapes`` and each of dense / 75% SSA heads, the decode kernel
     with each kwargs dict of ``variants(ctx, B)`` (the first is the reference of ``rel_diff_vs_first``), timed
     eagerly (``timing`` "eager": ms at the row's top level) or from a CUDA graph ("graph")."""
-    from elastic_vllm.csrc.decode import decode_attention
+    from elastic_vllm.ops.decode.kernel import decode_attention
 
     rows = run.rows(key)
     for ctx, B in shapes:
@@ -128,7 +128,7 @@ def decode_splits_section(run: KernelRun) -> None:
     """Split count of the e2e decode shapes (32K x 16, 128K x 4): the default aims at ~32 programs per SM over all
     (request, KV head) pairs; with 75% SSA heads the work sits in the FA heads' 25% of the programs, and more
     splits spread it (SSA heads use only the splits their few tiles need)."""
-    from elastic_vllm.csrc.decode import decode_num_splits, default_decode_config
+    from elastic_vllm.ops.decode.kernel import decode_num_splits, default_decode_config
 
     def default(ctx, B):
         return decode_num_splits(B, HKV, ctx, default_decode_config(128)["block_n"], run.dev)
@@ -141,7 +141,7 @@ def decode_splits_section(run: KernelRun) -> None:
 
 def decode_config_section(run: KernelRun) -> None:
     """Tile configs of the decode kernel at the e2e decode shapes; the first row of each shape is the default."""
-    from elastic_vllm.csrc.decode import default_decode_config
+    from elastic_vllm.ops.decode.kernel import default_decode_config
 
     dflt = default_decode_config(128)
     cfgs = [(dflt["block_n"], dflt["num_stages"], dflt["num_warps"])]

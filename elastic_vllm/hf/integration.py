@@ -78,7 +78,7 @@ def enable_elastic(
     router: an ElasticRouter, a router checkpoint folder, or None (then ``cfg.router_path`` if set;
     with no router at all only ``cfg.force`` in {"all-FA", "all-SA"} or ``state.fixed_routing`` route).
     cfg None with a checkpoint folder: the attention config the router was trained with.
-    impl: "torch" (PyTorch, CPU and GPU), "triton" (``elastic_vllm.csrc`` kernels, inference only),
+    impl: "torch" (PyTorch, CPU and GPU), "triton" (``elastic_vllm.ops`` kernels, inference only),
     "reference" (the plain oracle of ``elastic_vllm.reference``, slow) or "auto" (triton on a CUDA
     model when the kernels import, else torch). Training always runs the torch (or reference) path.
     """

@@ -28,32 +28,7 @@ from __future__ import annotations
 import torch
 
 from elastic_vllm.config import HeadMode
-
-
-def visible(
-    mode: int,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    sink: int,
-    window: int,
-    block_mask: torch.Tensor | None = None,
-    xa_block: int = 128,
-) -> torch.Tensor:
-    """Boolean [Q, K] mask of the key positions each query position may attend to."""
-    i = q_pos[:, None]
-    j = k_pos[None, :]
-    causal = j <= i
-    if mode == HeadMode.FA:
-        return causal
-    if mode == HeadMode.SSA:
-        return causal & ((j < sink) | (i - j < window))
-    if mode == HeadMode.XA:
-        if block_mask is None:
-            raise ValueError("XA head needs a block mask")
-        qb = (q_pos // xa_block).long()
-        kb = (k_pos // xa_block).long()
-        return causal & block_mask[qb[:, None], kb[None, :]].bool()
-    raise ValueError(f"unknown head mode {mode}")
+from elastic_vllm.reference.mask import visible
 
 
 def gather_paged(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:

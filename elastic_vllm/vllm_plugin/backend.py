@@ -24,7 +24,7 @@ from elastic_vllm.vllm_plugin.ops import resolve_ops, torch_attention, triton_at
 from elastic_vllm.vllm_plugin.routing import RouteBatch
 
 SUPPORTED_HEAD_SIZES = [32, 64, 128, 256]
-CUDA_BLOCK_SIZE = 128  # get_preferred_block_size: the csrc kernels' fastest cache block on the H200
+CUDA_BLOCK_SIZE = 128  # get_preferred_block_size: the kernels' fastest cache block on the H200
 
 
 class ElasticAttentionBackend(compat.AttentionBackend):

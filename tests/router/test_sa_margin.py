@@ -10,9 +10,9 @@ import torch
 
 from elastic_vllm.config import SA_MARGIN_MAX, ConfigError, ElasticConfig
 from elastic_vllm.hf.testing import sharp_router
+from elastic_vllm.ops.route.naive import route_logits_ref
 from elastic_vllm.reference.paged import make_paged_batch
 from elastic_vllm.reference.rope import RopeSpec
-from elastic_vllm.reference.route import route_logits_ref
 from elastic_vllm.router.model import ElasticRouter, decide
 from elastic_vllm.router.policy import RoutingTables
 

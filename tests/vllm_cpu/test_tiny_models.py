@@ -86,7 +86,7 @@ def test_tiny_model_all_fa_matches_cpu_attn_and_routing_matches_transformers(tin
 
 
 def test_triton_kernels_path_equals_torch_path(tiny):
-    """The GPU path (csrc kernels: fused router, XAttention selection, hybrid prefill, split-KV decode),
+    """The GPU path (the kernels of elastic_vllm/ops: fused router, XAttention selection, hybrid prefill, split-KV decode),
     run by the CPU engine through Triton's interpreter, gives the torch path's routing and tokens.
     Mode XA-SSA with sparse decode: prefill has XA and SSA heads, decode SSA and dense heads."""
     assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py

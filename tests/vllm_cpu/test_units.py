@@ -14,10 +14,10 @@ import torch
 from transformers import LlamaConfig
 
 from elastic_vllm.config import ConfigError, HeadMode
+from elastic_vllm.ops.xattn_select.naive import xattn_block_mask_ref
 from elastic_vllm.reference.attention import hybrid_attention_ref
 from elastic_vllm.reference.paged import make_paged_batch
 from elastic_vllm.reference.rope import RopeSpec, apply_rope
-from elastic_vllm.reference.xattn import xattn_block_mask_ref
 from elastic_vllm.router.checkpoint import RouterCheckpointError
 from elastic_vllm.router.model import ElasticRouter, decide, pool_keys
 from elastic_vllm.vllm_plugin import observe
