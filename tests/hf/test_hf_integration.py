@@ -260,23 +260,11 @@ def test_xa_heads_are_dense_at_decode():
     model = tiny_model("llama")
     state = enable_elastic(model, {**CFG, "mode": "FA-XA", "decode_mode": "sparse"}, sharp_router(seed=1))
     ids, mask = batch([40, 33], seed=4)
-    sparse = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=4,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, output_scores=True,
+               return_dict_in_generate=True)  # fmt: skip
+    sparse = model.generate(**gen)
     state.set_config(decode_mode="dense")
-    dense = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=4,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
+    dense = model.generate(**gen)
     for a, b in zip(sparse.scores, dense.scores):
         torch.testing.assert_close(a, b)
 
