@@ -29,6 +29,7 @@ HQ, HKV = 32, 8
 BS = 16
 CUDA_BLOCK_SIZE = 128
 
+
 class KernelRun:
     """One benchmark run: device, dtype, SSA shape, what to run, and the report (written after every measurement,
     so a run cut short keeps what it measured)."""

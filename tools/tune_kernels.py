@@ -116,7 +116,13 @@ def decode_sweep(run: KernelRun, key: str, shapes, variants, timing: str) -> Non
                                        window=run.window, max_seq_len=ctx, out=out, **kw)  # fmt: skip
                 o = fn().float()
                 first = o.clone() if first is None else first
-                row = {"ctx": ctx, "B": B, "mode": mode, **kw, "rel_diff_vs_first": float((o - first).norm() / first.norm())}
+                row = {
+                    "ctx": ctx,
+                    "B": B,
+                    "mode": mode,
+                    **kw,
+                    "rel_diff_vs_first": float((o - first).norm() / first.norm()),
+                }
                 row.update(run.timeit(fn) if timing == "eager" else {"graph": run.graph_time(fn)})
                 rows.append(row)
                 log(row)

@@ -59,8 +59,8 @@ def test_router_with_nan_output_runs_fa_and_is_counted(caplog):
     from elastic_vllm.vllm_plugin import observe
     from elastic_vllm.vllm_plugin.parallel import Topology
     from elastic_vllm.vllm_plugin.recording import Recorder
+    from elastic_vllm.vllm_plugin.requests import RequestState
     from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch, route_layer
-    from elastic_vllm.vllm_plugin.state import RequestState
 
     router = ElasticRouter(2, 8)
     with torch.no_grad():

@@ -358,7 +358,7 @@ def test_per_request_routing_lifecycle(tmp_path, runner, chunk_routing):
 def test_vllm_warmup_requests_are_routed_but_not_recorded(tmp_path):
     """vLLM 0.26's V2 runner warms up through execute_model with requests '_warmup_{i}_' (2-token prompts):
     they are routed like any request, but no routing event / metric is recorded for them."""
-    from elastic_vllm.vllm_plugin.state import is_vllm_warmup_request
+    from elastic_vllm.vllm_plugin.requests import is_vllm_warmup_request
 
     assert is_vllm_warmup_request("_warmup_0_") and is_vllm_warmup_request("_warmup_12_")
     assert is_vllm_warmup_request("_v2_mixed_warmup_decode_") and is_vllm_warmup_request("_v2_mixed_warmup_prefill_")
