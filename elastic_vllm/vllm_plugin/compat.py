@@ -228,42 +228,36 @@ def install_request_validator(
 _SERVING_ELASTIC: list[Any] = [None]  # the VllmConfig of an InputProcessor of this process serving elastic
 
 
-# --- load policy in the engine core (scheduler) process ------------------------------------------
-def install_load_policy(policy_for: Callable[[Any], Any], class_path: str) -> None:
-    """When the engine serves our backend and ``policy_for(vllm_config)`` gives a policy (``load_policy.py``):
-    before every ``Scheduler.schedule`` it observes the prompt tokens queued for prefill (waiting, waiting with
-    KV held, running), and ``EngineCore.preprocess_add_request`` (the in-process client and the engine core's
-    input thread both build a Request there, block hashes included) gives the new request its bias first.
-    Same names in 0.26 and 0.32/0.33."""
+# --- engine-core hooks (the load policy's, in the scheduler's process) ----------------------------
+def install_engine_core_hooks(
+    on_schedule: Callable[[Any, Any], None], on_add_request: Callable[[Any, Any, Any], None], class_path: str
+) -> None:
+    """When the engine serves our backend: ``on_schedule(vllm_config, scheduler)`` before every
+    ``Scheduler.schedule``, and ``on_add_request(vllm_config, engine_core, request)`` in
+    ``EngineCore.preprocess_add_request`` before vLLM's own (the in-process client and the engine core's input thread
+    both build a Request there, block hashes included). Same names in 0.26 and 0.32/0.33."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
-    def policy(vllm_config):
-        if vllm_config is None or not is_elastic_backend(
+    def ours(vllm_config) -> bool:
+        return vllm_config is not None and is_elastic_backend(
             getattr(vllm_config.attention_config, "backend", None), class_path
-        ):
-            return None
-        return policy_for(vllm_config)
+        )
 
     def make_schedule(original):
         def schedule(self, *args, **kwargs):
-            p = policy(getattr(self, "vllm_config", None))
-            if p is not None:
-                from elastic_vllm.vllm_plugin.load_policy import queued_prefill_tokens
-
-                queues = (self.waiting, getattr(self, "kv_holding_waiting", ()), self.running)
-                p.observe(sum(queued_prefill_tokens(q) for q in queues))
+            cfg = getattr(self, "vllm_config", None)
+            if ours(cfg):
+                on_schedule(cfg, self)
             return original(self, *args, **kwargs)
 
         return schedule
 
     def make_preprocess(original):
         def preprocess_add_request(self, request, *args, **kwargs):
-            p = policy(getattr(self, "vllm_config", None))
-            if p is not None:
-                if self.scheduler.get_num_unfinished_requests() == 0:
-                    p.on_idle()
-                p.stamp(request)
+            cfg = getattr(self, "vllm_config", None)
+            if ours(cfg):
+                on_add_request(cfg, self, request)
             return original(self, request, *args, **kwargs)
 
         return preprocess_add_request

@@ -1,8 +1,10 @@
 """Per-engine state of the elastic backend: configuration, router, routing table, request lifecycle.
 
-One file of ~590 lines (a third docstrings) because :class:`EngineState` is the one object the runner hooks,
-the metadata builder and every layer's forward share within a step; what needs none of that lives apart:
-recording (``recording.py``), the parallel layout (``parallel.py``), router discovery (``router/discovery.py``).
+One file of ~460 lines (a third docstrings) because :class:`EngineState` is the one object the runner hooks,
+the metadata builder and every layer's forward share within a step (its step plan, budget tables and routing glue
+read one another's fields); what needs none of that lives apart: the requests and their slots (``requests.py``),
+the configuration and model checks (``precheck.py``), recording (``recording.py``), the parallel layout
+(``parallel.py``), router discovery (``router/discovery.py``).
 
 One :class:`EngineState` per vLLM engine (per worker process and VllmConfig). It is created by the
 first ``ElasticAttentionImpl`` (model construction: configuration and router are checked before any
@@ -15,16 +17,9 @@ Per-request state (both model runners)::
                              table_fa     [S, L, Hkv] bool   router decision, True = FA
                              table_logits [S, L, Hkv, 2]     router logits
     per step (device)        row_modes    [L, B, Hkv] int32  what every layer's kernel reads
-    host                     requests: req_id -> RequestState (prompt length, override, slot, final?)
+    host                     requests: ``requests.Requests`` (req_id -> RequestState, slots, the lifecycle)
 
-    slot   V2 runner with CommonAttentionMetadata.req_idx (0.32+): vLLM's own request slot;
-           otherwise (V1 runner, 0.26's V2): our slot allocator, slot freed when the request ends.
-           Slot S-1 is reserved and stays all-FA (dummy and padding rows read it).
     rows   the request id of each batch row, recorded by the runner hook in row order each step.
-
-Lifecycle, from each step's SchedulerOutput: a new request gets a state (prompt length, override);
-``finished_req_ids`` (done or aborted) frees it; a preempted / resumed request keeps its state but its
-routing is recomputed when it reaches the end of its prompt again (and compared with the first one).
 
 When a row is routed (its request has no final routing yet):
 
