@@ -124,12 +124,13 @@ def enable_elastic(
         state.hooks.append(src.register_forward_hook(_key_hook(m, shape)))
     base = _base_model(model)
     state.hooks.append(base.register_forward_pre_hook(_forward_pre_hook(state, base), with_kwargs=True))
-    _set_attn_implementation(model, ATTN_IMPLEMENTATION)
+    set_attn_implementation(model, ATTN_IMPLEMENTATION)
     model.elastic_state = state
     return state
 
 
-def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+def set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+    """Switch a transformers model's attention implementation (``set_attn_implementation``, or the configs)."""
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
         return
@@ -159,7 +160,7 @@ def disable_elastic(model: torch.nn.Module, attn_implementation: str = "sdpa") -
             if hasattr(m, a):
                 delattr(m, a)
     model.elastic_state = None
-    _set_attn_implementation(model, attn_implementation)
+    set_attn_implementation(model, attn_implementation)
 
 
 def _key_hook(attn: torch.nn.Module, shape: BackboneShape):
