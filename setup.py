@@ -26,6 +26,7 @@ setup(
         "pydantic>=2.6",
         "safetensors>=0.4",
         "prometheus-client>=0.20",
+        "psutil>=5.9",  # `elastic-vllm serve` watches the server's engine core processes
         "fastapi>=0.110",
         "numpy>=1.26",
         "tqdm>=4.66",

@@ -11,6 +11,8 @@ __all__ = ["ConfigError", "ElasticConfig", "HeadMode", "__version__"]
 
 
 def __getattr__(name: str):
+    """The configuration classes on first use (PEP 562): ``elastic-vllm`` commands that refuse their input at once
+    (a missing model folder) must not wait for pydantic (0.6 s of the 2-core machine's ~1.2 s)."""
     if name in ("ConfigError", "ElasticConfig", "HeadMode"):
         from elastic_vllm import config
 

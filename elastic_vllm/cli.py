@@ -210,9 +210,30 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--needle-tokens", type=int, default=1500, help="length of the needle prompt")
 
 
+def _check_demo_router(router: str, force: str) -> None:
+    """The router of ``--router`` against the demo model, as the server will check it, before anything is served
+    (the server's refusal came ~10 s later and named elastic.router_path, the server's field, not --router)."""
+    fix = (
+        "pass a router folder (router.json + router.safetensors) trained for the demo model, as "
+        "`elastic-vllm train-router` or `elastic-vllm convert` write it, or leave --router out for the shipped one"
+    )
+    if not Path(router).is_dir():  # before the checkpoint loader's torch import (seconds)
+        raise CLIError(f"--router {router}: no such folder", fix)
+    from elastic_vllm.models import fetch_demo_model
+    from elastic_vllm.vllm_plugin.precheck import check_serve_args
+
+    additional = json.dumps({"elastic": {"force": force, "router_path": router}})
+    try:
+        check_serve_args(str(fetch_demo_model(quiet=True)), ["--additional-config", additional])
+    except ValueError as e:  # RouterCheckpointError, ConfigError
+        raise CLIError(f"--router {router}: {e}", fix) from None
+
+
 def _demo(a: argparse.Namespace) -> int:
     from elastic_vllm.demo import run_demo
 
+    if a.router is not None:
+        _check_demo_router(a.router, a.force)
     rows = run_demo(a.router, a.force, a.needle_tokens)
     return 0 if all(r.get("correct", True) and r["omega_msr"] is not None for r in rows) else 1
 

@@ -37,6 +37,7 @@ import functools
 import importlib
 import inspect
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -182,7 +183,7 @@ def install_request_validator(
             try:
                 validate(params, self.vllm_config)
             except ValueError as e:
-                raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+                raise _as_client_error(e, VLLMValidationError) from None
         return out
 
     _validate_params._elastic_wrapped = True  # type: ignore[attr-defined]
@@ -219,13 +220,43 @@ def install_request_validator(
             try:
                 validate(self, _SERVING_ELASTIC[0])
             except ValueError as e:
-                raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+                raise _as_client_error(e, VLLMValidationError) from None
 
     InputProcessor.__init__ = __init__
     SamplingParams._verify_args = _verify_args
 
 
 _SERVING_ELASTIC: list[Any] = [None]  # the VllmConfig of an InputProcessor of this process serving elastic
+
+XARGS_FIELD = "vllm_xargs"  # where the OpenAI-compatible endpoints take a request's extra args
+TOKENS_FIELD = "sampling_params.extra_args"  # the token endpoint's (/inference/v1/generate) field for them
+
+
+def request_field(frame: Any = None) -> str:
+    """The request field the SamplingParams being checked came from: :data:`TOKENS_FIELD` when vLLM builds them from
+    the JSON of the token endpoint (``/inference/v1/generate``: vLLM's pydantic adapter of msgspec structs,
+    ``PydanticMsgspecMixin._validate_msgspec``, builds its ``sampling_params``) or runs that endpoint's handler (a
+    module of ``token_in_token_out``), else :data:`XARGS_FIELD`. Read from the call stack, only for a request that
+    is refused: the check itself is shared by every endpoint."""
+    f = frame or sys._getframe(1)
+    for _ in range(64):  # the token endpoint's handler is ~20 frames above the check (async generators)
+        if f is None:
+            break
+        code = f.f_code
+        if code.co_name == "_validate_msgspec" or "token_in_token_out" in code.co_filename:
+            return TOKENS_FIELD
+        f = f.f_back
+    return XARGS_FIELD
+
+
+def _as_client_error(e: ValueError, error_type: type) -> Exception:
+    """vLLM's validation error (HTTP 400) for a refused request, its message naming the field of the endpoint it
+    came through (the checks name ``vllm_xargs.<key>``)."""
+    field = request_field(sys._getframe(2))
+    msg = str(e)
+    if field != XARGS_FIELD and msg.startswith(XARGS_FIELD + "."):
+        msg = field + msg[len(XARGS_FIELD) :]
+    return error_type(msg, parameter=field)
 
 
 # --- engine-core hooks (the load policy's, in the scheduler's process) ----------------------------

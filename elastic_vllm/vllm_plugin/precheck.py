@@ -30,13 +30,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from elastic_vllm.config import ConfigError, ElasticConfig
+from elastic_vllm.config import ConfigError, ElasticConfig, short_repr
 
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
 
 PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Pre-RoPE key recovery inverts NeoX-style (rotate-half) RoPE, which these architectures use.
 NEOX_ROPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite")
+ADDITIONAL_CONFIG = "--additional-config"
 _warned: set[str] = set()
 
 
@@ -167,21 +168,24 @@ def _arg(extra: list[str], name: str) -> str | None:
 
 def check_serve_args(model: str, extra: list[str]) -> None:
     """What `elastic-vllm serve` can check before starting vLLM (0.5 s for a bad field, 5 s for a router, measured
-    on the 2-core CPU machine, instead of vLLM's import and engine configuration, ~16 s): the elastic configuration of ``--additional-config`` and, for a local model folder,
-    the router against its config.json. Anything it cannot read (a hub id, a config file, another backend) is
-    left to the check in the API server (:func:`check_engine_config`), which covers everything."""
+    on the 2-core CPU machine, instead of vLLM's import and engine configuration, ~16 s): ``--additional-config``
+    (one JSON object), its elastic configuration and, for a local model folder, the router against its
+    config.json. Anything it cannot read (a hub id, a config file) is left to the check in the API server
+    (:func:`check_engine_config`), which covers everything."""
     import json
     from types import SimpleNamespace
 
+    raw = _arg(extra, ADDITIONAL_CONFIG)
+    try:
+        additional = json.loads(raw) if raw is not None else {}
+    except json.JSONDecodeError as e:  # vLLM's argparse says only "cannot be converted", after its ~16 s import
+        raise ConfigError(
+            f"{ADDITIONAL_CONFIG} is not valid JSON: {e.msg} at character {e.pos + 1} (got {short_repr(raw)})"
+        ) from None
+    if not isinstance(additional, dict):
+        raise ConfigError(f"{ADDITIONAL_CONFIG} must be a JSON object (got {short_repr(additional)})")
     backend = _arg(extra, "--attention-backend")
     if backend is not None and backend.lower() != "elastic":
-        return
-    raw = _arg(extra, "--additional-config")
-    try:
-        additional = json.loads(raw) if raw else {}
-    except json.JSONDecodeError:
-        return  # vLLM reports it
-    if not isinstance(additional, dict):
         return
     cfg = ElasticConfig.parse(additional.get("elastic"))
     config_json = Path(model) / "config.json"

@@ -156,6 +156,56 @@ def test_request_override():
     assert effective_force("auto", "all-FA") == "all-FA" and effective_force("all-SA", "all-FA") == "all-SA"
 
 
+@pytest.fixture
+def serving_elastic():
+    """This process as an API server serving the elastic backend: the admission checks of the plugin run."""
+    from elastic_vllm.vllm_plugin import compat, plugin
+
+    plugin.register()
+    config = SimpleNamespace(additional_config={"elastic": {}}, attention_config=SimpleNamespace(backend="elastic"))
+    before, compat._SERVING_ELASTIC[0] = compat._SERVING_ELASTIC[0], config
+    try:
+        yield config
+    finally:
+        compat._SERVING_ELASTIC[0] = before
+
+
+def test_refused_request_names_the_field_of_its_endpoint(serving_elastic):
+    """The same check names vllm_xargs.<key> for the OpenAI-compatible endpoints and sampling_params.extra_args.<key>
+    for the token endpoint (/inference/v1/generate, whose JSON carries the SamplingParams themselves)."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "extra_args": {"elastic_force": "fast"}}}
+    with pytest.raises(VLLMValidationError) as e:
+        GenerateRequest.model_validate(body)
+    assert str(e.value).startswith("sampling_params.extra_args.elastic_force: must be one of 'auto'"), e.value
+    assert e.value.parameter == "sampling_params.extra_args"
+    body["sampling_params"]["extra_args"] = {"elasticforce": "all-SA"}
+    with pytest.raises(VLLMValidationError, match=r"^sampling_params.extra_args.elasticforce: not an elastic-vllm key"):
+        GenerateRequest.model_validate(body)
+    with pytest.raises(VLLMValidationError) as e:  # vllm_xargs of the OpenAI endpoints become extra_args this way
+        SamplingParams.from_optional(max_tokens=2, extra_args={"elastic_force": "fast"})
+    assert str(e.value).startswith("vllm_xargs.elastic_force: must be one of"), e.value
+    assert e.value.parameter == "vllm_xargs"
+    assert GenerateRequest.model_validate({**body, "sampling_params": {"extra_args": {"elastic_force": "all-SA"}}})
+
+
+def test_request_field_reads_the_token_endpoints_handler_from_the_stack():
+    """At engine admission the SamplingParams are built already: the token endpoint's handler (a module of vLLM's
+    token_in_token_out package) on the stack names its field."""
+    from elastic_vllm.vllm_plugin import compat
+
+    code = compile(
+        "def handler(f):\n    return f()\n", "/x/vllm/entrypoints/scale_out/token_in_token_out/serving.py", "exec"
+    )
+    scope: dict = {}
+    exec(code, scope)
+    assert scope["handler"](compat.request_field) == compat.TOKENS_FIELD
+    assert (lambda: compat.request_field())() == compat.XARGS_FIELD
+
+
 def test_register_is_idempotent_and_spawn_safe():
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum

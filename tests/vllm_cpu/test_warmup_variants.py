@@ -32,7 +32,7 @@ from elastic_vllm.router.model import ElasticRouter
 from elastic_vllm.vllm_plugin import backend, compat, observe, warmup
 from elastic_vllm.vllm_plugin import state as state_mod
 
-from .conftest import close_llm, elastic_states, make_llm
+from .conftest import close_llm, make_llm, state_of
 from .helpers import event_of, greedy
 from .routers import save_test_router
 from .tiny_models import TINY, build_tiny_model
@@ -159,7 +159,8 @@ def test_serving_launches_only_warmed_up_variants(tmp_path, demo_model_dir, monk
         max_model_len=1024,
     )
     try:
-        (st,) = [s for s in elastic_states() if s.cfg.mode == mode and s.cfg.window == 8]
+        st = state_of(llm)  # this engine's (an earlier case's state may still be alive in this process)
+        assert st.cfg.mode == mode and st.cfg.window == 8
         assert st.ops == "triton" and st.kernel_router is not None
         heads = TINY[kind]["num_attention_heads"]
         report = warmup.warm_up(st, torch.float32, heads, TINY[kind]["head_dim"])
