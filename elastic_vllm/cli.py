@@ -107,7 +107,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from elastic_vllm.telemetry.serve import run_serve
+    from elastic_vllm.supervisor import run_serve
 
     return run_serve(a.model, list(a.vllm_args))
 
@@ -354,7 +354,7 @@ def explain(e: BaseException, cmd: str | None = None) -> tuple[str, str]:
     if isinstance(e, CLIError):
         return e.what, e.fix
     if _instance_of(e, "elastic_vllm.server", "ServeError"):
-        from elastic_vllm.telemetry.serve import fix_for
+        from elastic_vllm.supervisor import fix_for
 
         return e.cause, f"{fix_for(e.cause)}; the full server log is {e.log_path}"
     config_fix = "correct the field named above; every field with its type and default: docs/configuration.md"

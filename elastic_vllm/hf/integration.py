@@ -85,7 +85,7 @@ def enable_elastic(
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        from elastic_vllm.hf import triton_backend
+        import elastic_vllm.hf.triton_backend as triton_backend
 
         on_gpu = next(model.parameters()).device.type == "cuda"
         impl = "triton" if on_gpu and triton_backend.available() else "torch"
