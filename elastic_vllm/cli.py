@@ -4,6 +4,9 @@ Each subcommand is a pair ``_<name>_args(parser)`` / ``_<name>(args) -> int`` re
 COMMANDS; heavy imports stay inside the functions, and only the chosen subcommand's options are
 registered, so ``--help`` is instant (no torch import).
 
+Why one file of ~440 lines: the subcommands' pairs are a few lines each and sit beside the one COMMANDS table
+that registers them; the work they start lives in the package.
+
 Errors: a known failure (invalid configuration, missing file, bad router checkpoint, missing
 package, ...) prints ``elastic-vllm: error: <what> (fix: <how>)`` on one line and exits with 2; a
 longer message (e.g. a server's log tail) goes to a file named in that line. ``--debug`` or

