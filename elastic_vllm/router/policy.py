@@ -2,7 +2,7 @@
 
 Written once, here; every routing path runs it or is tested against it: the vLLM backend's torch glue
 (``vllm_plugin/routing.py``), the transformers integration (``hf/attention.py``) and the fused router
-kernel's epilogue (``csrc/route.py``, checked against :func:`route_heads` on a grid under the Triton
+kernel's epilogue (``elastic_vllm/ops/route/kernel.py``, checked against :func:`route_heads` on a grid under the Triton
 interpreter). For routed row r and KV head h of one layer, in this order::
 
     threshold  FA iff z_FA - z_SA > bias_r - sa_margin (float32; NaN / inf logits: FA)   decide
