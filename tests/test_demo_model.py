@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_needle_answered
+from testlib import assert_needle_answered
 
 from elastic_vllm.models import GGUF_SHA256, MARKER, FetchError, fetch_demo_model
 from elastic_vllm.router.checkpoint import BackboneShape

@@ -48,7 +48,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    dry = config.getoption("--cpu-dry")
+    dry = config.getoption("--cpu-dry", default=False)
     cuda = torch.cuda.is_available()
     for item in items:
         m = item.get_closest_marker("gpu")
@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _gpu_gate(request):
-    if request.node.get_closest_marker("gpu") is None or request.config.getoption("--cpu-dry"):
+    if request.node.get_closest_marker("gpu") is None or request.config.getoption("--cpu-dry", default=False):
         return
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.fail("TRITON_INTERPRET is on (tests/conftest.py turns it on for the CPU tests): run the GPU tests "
@@ -69,7 +69,7 @@ def _gpu_gate(request):
 
 @pytest.fixture(scope="session")
 def cpu_dry(request) -> bool:
-    return bool(request.config.getoption("--cpu-dry"))
+    return bool(request.config.getoption("--cpu-dry", default=False))
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +82,7 @@ def gpu_option(request):
     """An option of the GPU tests; one a test needs and nobody gave fails it naming the option."""
 
     def get(name: str, required: bool = False):
-        v = request.config.getoption(name)
+        v = request.config.getoption(name, default=None)
         if required and v is None:
             pytest.fail(f"{name}: required by this test (tools/gpu_session.sh passes it)")
         return v

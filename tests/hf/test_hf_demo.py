@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_needle_answered
+from testlib import assert_needle_answered
 
 from elastic_vllm.hf import load_elastic_model
 

@@ -6,8 +6,8 @@ import zlib
 
 import pytest
 import torch
-from conftest import nan_like
 from kutils import assert_close, no_host_sync, random_modes, strided_caches
+from testlib import nan_like
 
 from elastic_vllm.config import HeadMode
 from elastic_vllm.ops.decode.kernel import decode_attention, decode_num_splits

@@ -5,8 +5,8 @@ heads read every key, as the kernel's do)."""
 from __future__ import annotations
 
 import torch
-from conftest import nan_like
 from kutils import assert_close, random_modes
+from testlib import nan_like
 
 from elastic_vllm.ops.decode.kernel import decode_attention
 from elastic_vllm.ops.decode.naive import decode_attention_naive

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import nan_like
 from kutils import assert_close, no_host_sync
+from testlib import nan_like
 
 from elastic_vllm.config import HeadMode
 from elastic_vllm.ops.prefill.kernel import prefill_attention
