@@ -52,7 +52,7 @@ SENSITIVE_KINDS: tuple[str, ...] = (
 ROBUST_KINDS: tuple[str, ...] = ("continue", "rewrite", "summary", "translate", "codegen", "open_chat")
 HAYSTACKS: tuple[str, ...] = ("prose", "code", "logs", "config", "chat", "docs", "table")
 # builder version 4 (balanced.py) adds the haystacks of the 7 first tasks that the grid lacked: SQuAD / HotpotQA
-# paragraphs (squad_qa, hotpot_qa) and RULER's repeated filler sentences (a quarter of the needles' haystacks)
+# paragraphs (squad_qa, hotpot_qa) and RULER's repeated filler sentences (a fifth of the needles' haystacks)
 V4_HAYSTACKS: tuple[str, ...] = (*HAYSTACKS, "wiki", "filler")
 FORMS: tuple[str, ...] = ("after", "before", "system", "multiturn")
 TEMPLATES: tuple[str, ...] = ("model", "plain", "alpaca", "llama2")
