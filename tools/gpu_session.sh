@@ -44,6 +44,9 @@ export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD:$PWD/tools/device_site
 GGUF=${GGUF:-/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf}
 OUT=${OUT:-/tmp/out}
 GG=${GG_DIR:-/tmp/gg}  # the GGUF's pieces (tools/gpu_gguf.sh) gathered over several calls
+# the router data the training steps read: .gpu-carry/router-data, or with DATA_VERSION=4 .gpu-carry/router-data-v4
+# (`elastic-vllm build-data --version 4`, the balanced mixture; gpu_train_smollm2.sh checks its manifest's version)
+RDATA=/tmp/gpucarry/router-data${DATA_VERSION:+-v$DATA_VERSION}
 gguf_collect() {  # this call's pieces of .gpu-gguf/* to $GG; a piece's wheels (whl/) to /tmp/gsite
   mkdir -p "$GG"
   for d in .gpu-gguf/*/; do
@@ -103,7 +106,7 @@ case "$step" in
     gguf_collect
     if [ "${2:-}" != run ]; then ls -la "$GG"; exit 0; fi
     gguf_join
-    PYTHONPATH=$PWD MEASURE=1 bash tools/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data "$OUT" ;;
+    PYTHONPATH=$PWD MEASURE=1 bash tools/gpu_train_smollm2.sh "$GGUF" "$RDATA" "$OUT" ;;
   train_bg)
     # the GGUF's last piece arrives now (or vLLM's staging brought it); the recipes start detached (they
     # outlive this call) on one GPU
@@ -118,7 +121,7 @@ case "$step" in
       rm -rf /tmp/train$v /tmp/work$v
       # setsid -f: a new session (it outlives this call), the launching subshell returns at once
       (cd /tmp/tree-train && PYTHONPATH=/tmp/elastic-site${TRAIN_SITE:+:$TRAIN_SITE} CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-1} exec setsid -f env $vars \
-        MEASURE=1 WORK=/tmp/work$v bash -c "bash tools/gpu_train_smollm2.sh $GGUF /tmp/gpucarry/router-data /tmp/train$v; \
+        MEASURE=1 WORK=/tmp/work$v bash -c "bash tools/gpu_train_smollm2.sh $GGUF $RDATA /tmp/train$v; \
         echo train rc=\$? > /tmp/train$v.rc") > /tmp/train$v.log 2>&1 < /dev/null
       echo "started $v: $vars"
     done
@@ -148,7 +151,7 @@ case "$step" in
     rm -rf /tmp/fsdp /tmp/work-fsdp
     env ${VARIANT_A:-} STEPS=$steps TIME_BUDGET_S=${FSDP_BUDGET_S:-400} WORK=/tmp/work-fsdp \
       LAUNCH="torchrun --standalone --nproc_per_node 2" bash tools/gpu_train_smollm2.sh "$GGUF" \
-      /tmp/gpucarry/router-data /tmp/fsdp > "$OUT/fsdp.log" 2>&1 || echo "fsdp rc=$?" | tee -a "$OUT/fsdp.log"
+      "$RDATA" /tmp/fsdp > "$OUT/fsdp.log" 2>&1 || echo "fsdp rc=$?" | tee -a "$OUT/fsdp.log"
     tail -n 16 "$OUT/fsdp.log"
     python3 tools/compare_train_runs.py /tmp/trainA /tmp/fsdp --out /tmp/fsdp/compare.json --world-run 2 \
       ${REF_SHARED:+--ref-shared} || true
@@ -176,7 +179,7 @@ case "$step" in
     for v in A B; do
       eval "vars=\${VARIANT_$v:-}"
       (env $vars STEPS=${STEPS:-600} TIME_BUDGET_S=${TIME_BUDGET_S:-170} MEASURE=1 NEEDLE_PER_LENGTH=${NEEDLE_PER_LENGTH:-10} \
-        WORK=/tmp/work$v bash tools/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data /tmp/train$v > "$OUT/train$v.log" 2>&1;
+        WORK=/tmp/work$v bash tools/gpu_train_smollm2.sh "$GGUF" "$RDATA" /tmp/train$v > "$OUT/train$v.log" 2>&1;
         echo "train rc=$? ($vars)" >> "$OUT/train$v.log"; tar -C /tmp -czf "$OUT/train$v.tgz" train$v) &
     done
     sleep ${CHECK_DELAY:-0}

