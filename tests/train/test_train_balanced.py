@@ -174,7 +174,8 @@ def test_version_4_rejects_tasks_without_a_partner(sources, tmp_path):
 def test_cli_version_4_names_what_it_cannot_do(sources, tmp_path, extra, match):
     import argparse
 
-    from elastic_vllm.train.build import add_build_args, build_from_args
+    from elastic_vllm.train.cli import build_data_args as add_build_args
+    from elastic_vllm.train.cli import build_from_args
 
     p = argparse.ArgumentParser()
     add_build_args(p)
