@@ -31,3 +31,7 @@ def model_validator(**kw):
 
 def field_validator(*a, **kw):
     return lambda f: f
+
+
+class ValidationInfo:
+    """Annotation only: the validators that take it never run here."""
