@@ -56,7 +56,7 @@ from elastic_vllm.router.checkpoint import (
 )
 from elastic_vllm.router.discovery import resolve_router_path
 from elastic_vllm.router.model import budget_sa_counts
-from elastic_vllm.router.policy import RoutingTables, decode_modes, floor_of
+from elastic_vllm.router.policy import RoutingTables, decode_modes, describe_floor, floor_of
 from elastic_vllm.vllm_plugin import compat, observe, parallel
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
 from elastic_vllm.vllm_plugin.parallel import global_kv_heads, is_first_replica
@@ -163,9 +163,10 @@ class EngineState(compat.RunnerObserver):
             self.cfg, self.model_name, self.topo, self.kv_heads, self.first_replica, self.router_path
         )
         logger.info(
-            "elastic attention: %s, router %s, ops=%s, %s, KV heads %s",
+            "elastic attention: %s, router %s, %s, ops=%s, %s, KV heads %s",
             self.cfg.model_dump(exclude={"router_path"}),
             self.router_path or f"none (force {self.cfg.force})",
+            describe_floor(self.router, self.cfg, self.floor_heads),
             self.ops,
             self.topo.describe(),
             list(self.kv_heads),
