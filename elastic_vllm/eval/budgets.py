@@ -27,13 +27,12 @@ from pathlib import Path
 
 import torch
 
-from elastic_vllm.eval.engine import METHODS, HFEngine, Method, base_config, finite_mean, provenance
+from elastic_vllm.eval.engine import METHODS, HFEngine, Method, finite_mean, provenance
 from elastic_vllm.eval.generalization import (
     CATEGORIES,
-    GEN_DATA,
     _batches,
     _calib_rows,
-    load_rows,
+    open_split_run,
     score,
     write_outputs,
 )
@@ -84,22 +83,11 @@ def _run(engine: HFEngine, name: str, rows, texts, opts, cfg: dict, fixed=None, 
 
 def run(opts, argv: list[str] | None = None, log=print) -> dict:
     t_start = time.perf_counter()
-    device = torch.device(opts.device)
-    if not opts.router:
-        raise ValueError("--suite budgets needs the trained router (--router DIR)")
     targets = list(getattr(opts, "targets", None) or TARGETS)
     bad = [t for t in targets if not 0.0 <= t <= 1.0]
     if bad:
         raise ValueError(f"--targets must lie in [0, 1], got {bad}")
-    data = Path(opts.gen_data or GEN_DATA)
-    if opts.quick:
-        opts.samples, opts.calib_samples = 1, 1
-        opts.max_new_tokens = opts.max_new_tokens_robust = 8
-    if opts.batch_tokens is None:
-        opts.batch_tokens = 163840 if device.type == "cuda" else 16384
-    dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window, getattr(opts, "sa_margin", None))
-    rows = load_rows(data, opts.samples, getattr(opts, "gen_max_tokens", None))
+    device, dtype, data, base_cfg, router_meta, rows = open_split_run(opts, "budgets")
     if opts.quick:  # 2 + 3 x targets runs of every prompt: a CPU smoke run keeps the 2 shortest prompts per category
         short = sorted(rows, key=lambda r: (r["tokens"], r["family"]))
         rows = [r for cat in CATEGORIES for r in [x for x in short if x["category"] == cat][:QUICK_PER_CATEGORY]]

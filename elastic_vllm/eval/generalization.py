@@ -171,21 +171,29 @@ def check_targets(table: dict, method: str = "elastic") -> list[dict]:
     return out
 
 
-def run(opts, argv: list[str] | None = None, log=print) -> dict:
-    t_start = time.perf_counter()
+def open_split_run(opts, suite: str) -> tuple:
+    """What the transformers suites on the split share before their engine starts: the router check, ``--quick``,
+    the batch and dtype defaults, the base configuration and the rows. Returns (device, dtype, data path,
+    base config, router meta, rows)."""
     device = torch.device(opts.device)
     if not opts.router:
-        raise ValueError("--suite generalization-split needs the trained router (--router DIR)")
+        raise ValueError(f"--suite {suite} needs the trained router (--router DIR)")
     data = Path(opts.gen_data or GEN_DATA)
     if opts.quick:
         opts.samples, opts.calib_samples = 1, 1
         opts.max_new_tokens = opts.max_new_tokens_robust = 8
-    per_cell = opts.samples
     if opts.batch_tokens is None:
         opts.batch_tokens = 163840 if device.type == "cuda" else 16384
     dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window, getattr(opts, "sa_margin", None))
-    rows = load_rows(data, per_cell, getattr(opts, "gen_max_tokens", None))
+    rows = load_rows(data, opts.samples, getattr(opts, "gen_max_tokens", None))
+    return device, dtype, data, base_cfg, router_meta, rows
+
+
+def run(opts, argv: list[str] | None = None, log=print) -> dict:
+    t_start = time.perf_counter()
+    device, dtype, data, base_cfg, router_meta, rows = open_split_run(opts, "generalization-split")
+    per_cell = opts.samples
     log(f"generalization: {len(rows)} prompts from {data} on {device} {dtype}")
     engine = HFEngine(opts.model, base_cfg, opts.router, dtype, device, opts.impl)
     from elastic_vllm.train.data import prompt_text

@@ -223,34 +223,31 @@ def check_targets(table: dict, length: int) -> list[dict]:
     def cell(m, t):
         return table.get(m, {}).get(L, {}).get(t)
 
+    def add(target: str, measured: str, met: bool) -> None:
+        out.append({"target": target, "measured": measured, "met": bool(met)})
+
     d, e, s = cell("dense", "ruler_avg"), cell("elastic", "ruler_avg"), cell("static", "ruler_avg")
     if d and e:
         keep = e["score"] / d["score"] if d["score"] else float("nan")
-        out.append(
-            {
-                "target": f"Elastic keeps >= 97% of the dense RULER average at {length} with Omega_MSR >= 0.5",
-                "measured": f"{100 * keep:.1f}% ({e['score']:.1f} vs {d['score']:.1f}), Omega_MSR {e['omega_msr']:.3f}",
-                "met": bool(keep >= 0.97 and e["omega_msr"] >= 0.5),
-            }
+        add(
+            f"Elastic keeps >= 97% of the dense RULER average at {length} with Omega_MSR >= 0.5",
+            f"{100 * keep:.1f}% ({e['score']:.1f} vs {d['score']:.1f}), Omega_MSR {e['omega_msr']:.3f}",
+            keep >= 0.97 and e["omega_msr"] >= 0.5,
         )
     if e and s:
         gap = e["score"] - s["score"]
-        out.append(
-            {
-                "target": f"Elastic beats the static hybrid by >= 5 points on RULER at {length} at the same average Omega_MSR",
-                "measured": f"{gap:+.1f} points (Omega_MSR elastic {e['omega_msr']:.3f}, static {s['omega_msr']:.3f})",
-                "met": bool(gap >= 5.0),
-            }
+        add(
+            f"Elastic beats the static hybrid by >= 5 points on RULER at {length} at the same average Omega_MSR",
+            f"{gap:+.1f} points (Omega_MSR elastic {e['omega_msr']:.3f}, static {s['omega_msr']:.3f})",
+            gap >= 5.0,
         )
     r = cell("elastic", "robust_avg")
     if e and r:
         diff = r["omega_msr"] - e["omega_msr"]
-        out.append(
-            {
-                "target": f"Elastic's Omega_MSR on robust tasks >= 0.15 above sensitive (RULER) at {length}",
-                "measured": f"{diff:+.3f} (robust {r['omega_msr']:.3f}, sensitive {e['omega_msr']:.3f})",
-                "met": bool(diff >= 0.15),
-            }
+        add(
+            f"Elastic's Omega_MSR on robust tasks >= 0.15 above sensitive (RULER) at {length}",
+            f"{diff:+.3f} (robust {r['omega_msr']:.3f}, sensitive {e['omega_msr']:.3f})",
+            diff >= 0.15,
         )
     return out
 

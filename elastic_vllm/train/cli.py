@@ -72,42 +72,20 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     for k in ("window", "sink", "mode"):
         if getattr(a, k) is not None:
             elastic[k] = getattr(a, k)
+    # the flags whose attribute is the TrainConfig field of the same name
+    same = ("model", "data", "out", "steps", "batch_size", "max_tokens", "microbatch_tokens", "input_norm_samples",
+            "router_lr", "lambda_lr", "weight_decay", "warmup", "grad_clip", "tau_schedule", "tau_init", "tau_final",
+            "linear_term", "lambda_init", "seed", "impl", "dtype", "device", "save_every", "resume", "stop_after",
+            "time_budget_s", "backbone_id", "rank_prompts")  # fmt: skip
     return TrainConfig(
-        model=a.model,
-        data=a.data,
-        out=a.out,
+        **{k: getattr(a, k) for k in same},
         elastic=elastic,
-        steps=a.steps,
-        batch_size=a.batch_size,
-        max_tokens=a.max_tokens,
-        microbatch_tokens=a.microbatch_tokens,
-        input_norm_samples=a.input_norm_samples,
-        router_lr=a.router_lr,
-        lambda_lr=a.lambda_lr,
-        weight_decay=a.weight_decay,
-        warmup=a.warmup,
-        grad_clip=a.grad_clip,
-        tau_schedule=a.tau_schedule,
-        tau_init=a.tau_init,
-        tau_final=a.tau_final,
-        linear_term=a.linear_term,
         targets={"robust": a.target_robust, "sensitive": a.target_sensitive},
-        lambda_init=a.lambda_init,
         gumbel=not a.no_gumbel,
-        seed=a.seed,
-        impl=a.impl,
-        dtype=a.dtype,
-        device=a.device,
         gradient_checkpointing=not a.no_gradient_checkpointing,
         fsdp=not a.no_fsdp,
-        save_every=a.save_every,
-        resume=a.resume,
-        stop_after=a.stop_after,
-        time_budget_s=a.time_budget_s,
         plots=not a.no_plots,
         progress=not a.no_progress,
-        backbone_id=a.backbone_id,
-        rank_prompts=a.rank_prompts,
         rank_lengths=tuple(a.rank_lengths),
     )
 
