@@ -27,16 +27,16 @@ from pathlib import Path
 
 import torch
 
-from elastic_vllm.eval.engine import METHODS, HFEngine, Method, finite_mean, provenance
+from elastic_vllm.eval.engine import METHODS, HFEngine, Method, finite_mean
 from elastic_vllm.eval.generalization import (
     CATEGORIES,
     _batches,
     _calib_rows,
     open_split_run,
     score,
+    split_result_head,
     write_outputs,
 )
-from elastic_vllm.models import sha256_file
 from elastic_vllm.router.model import budget_sa_counts
 
 TARGETS = (0.25, 0.5, 0.75, 0.9)
@@ -139,14 +139,8 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
             now = time.perf_counter()
             log(f"[{now - t_start:6.1f}s] {name}: {len(rows)} prompts ({now - t0:.1f} s)")
     res = {
-        "kind": "elastic-vllm budgets",
-        "complete": not skipped,
-        "provenance": provenance(argv or ["elastic-vllm", "eval", "--suite", "budgets"], device),
-        "model": str(opts.model),
-        "router": str(opts.router),
+        **split_result_head("budgets", "budgets", opts, argv, device, engine, data, skipped),
         "router_meta": router_meta,
-        "config": engine.base_cfg.model_dump(),
-        "data": {"path": str(data), "sha256": sha256_file(data), "per_cell": opts.samples},
         "targets": targets,
         "retrieval_scores": scores.tolist(),
         "curves": curves(samples, targets),

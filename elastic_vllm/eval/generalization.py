@@ -190,10 +190,27 @@ def open_split_run(opts, suite: str) -> tuple:
     return device, dtype, data, base_cfg, router_meta, rows
 
 
+def split_result_head(kind: str, suite: str, opts, argv, device, engine, data: Path, skipped: list) -> dict:
+    """The first keys of both split suites' results.json: what ran, on what, from which data."""
+    return {
+        "kind": f"elastic-vllm {kind}",
+        "complete": not skipped,
+        "provenance": provenance(argv or ["elastic-vllm", "eval", "--suite", suite], device),
+        "model": str(opts.model),
+        "router": str(opts.router),
+        "config": engine.base_cfg.model_dump(),
+        "data": {
+            "path": str(data),
+            "sha256": sha256_file(data),
+            "per_cell": opts.samples,
+            "max_tokens": getattr(opts, "gen_max_tokens", None),
+        },
+    }
+
+
 def run(opts, argv: list[str] | None = None, log=print) -> dict:
     t_start = time.perf_counter()
     device, dtype, data, base_cfg, router_meta, rows = open_split_run(opts, "generalization-split")
-    per_cell = opts.samples
     log(f"generalization: {len(rows)} prompts from {data} on {device} {dtype}")
     engine = HFEngine(opts.model, base_cfg, opts.router, dtype, device, opts.impl)
     from elastic_vllm.train.data import prompt_text
@@ -259,19 +276,8 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
 
     table = aggregate(samples)
     res = {
-        "kind": "elastic-vllm generalization",
-        "complete": not skipped,
-        "provenance": provenance(argv or ["elastic-vllm", "eval", "--suite", "generalization-split"], device),
-        "model": str(opts.model),
-        "router": str(opts.router),
+        **split_result_head("generalization", "generalization-split", opts, argv, device, engine, data, skipped),
         "router_meta": router_meta,
-        "config": engine.base_cfg.model_dump(),
-        "data": {
-            "path": str(data),
-            "sha256": sha256_file(data),
-            "per_cell": per_cell,
-            "max_tokens": getattr(opts, "gen_max_tokens", None),
-        },
         "held_out_families": sorted(table),
         "static_hybrid": static_info,
         "table": table,
