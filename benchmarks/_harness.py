@@ -33,6 +33,18 @@ def environment(modules: tuple[str, ...] = ("torch", "triton"), argv: list[str] 
 
 
 # --- timing --------------------------------------------------------------------------------------------------
+def made_with(env: dict, merged: list[dict] = (), extra: str = "") -> str:
+    """A result's provenance sentence for its markdown: versions, commit, the command (and those merged in)."""
+    return (
+        f"vLLM {env.get('vllm')}, torch {env.get('torch')}"
+        + (f", triton {env['triton']}" if env.get("triton") else "")
+        + f", commit {env['git_commit']}{' (uncommitted changes)' if env.get('git_dirty') else ''}. "
+        + f"Command: `{env['command']}`{extra}"
+        + "".join(f"; merged: `{m['command']}` ({m['git_commit']})" for m in merged)
+        + "."
+    )
+
+
 def quantiles(samples: list[float]) -> dict:
     """Median with p20 / p80 of repeated measurements (any unit)."""
     s = sorted(samples)

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import ROOT, environment, log, provenance, write_json
+from _harness import ROOT, environment, log, made_with, provenance, write_json
 from _routers import fixed_share_router
 from e2e_vllm import LLAMA_8B, TINY  # the model shapes of the e2e benchmark
 
@@ -420,11 +420,11 @@ def markdown(d: dict) -> str:
     lines = [
         f"# Serving: elastic vs {d['baseline']} ({env.get('gpu')})",
         "",
-        f"vLLM {env.get('vllm')}, torch {env.get('torch')}, triton {env.get('triton')}, commit {env['git_commit']}"
-        f"{' (uncommitted changes)' if env.get('git_dirty') else ''}. Command: `{env['command']}`"
-        + (f"; report: `{env['report_command']}`" if env.get("report_command") else "")
-        + "".join(f"; merged: `{m['command']}` ({m['git_commit']})" for m in d.get("merged_from", [])[1:])
-        + ".",
+        made_with(
+            {"triton": "None", **env},
+            d.get("merged_from", [])[1:],
+            f"; report: `{env['report_command']}`" if env.get("report_command") else "",
+        ),
         "",
         "Ratios elastic / baseline from one run (`vllm bench serve`, random prompts or `chat`'s, `--ignore-eos`); TTFT"
         " speed is baseline / elastic median TTFT.",
