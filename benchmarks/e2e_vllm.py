@@ -52,7 +52,7 @@ import time
 import traceback
 from pathlib import Path
 
-from _harness import ROOT, T0, bootstrap, log, provenance, quantiles, versions, write_json
+from _harness import ROOT, T0, log, provenance, quantiles, versions, write_json
 from _routers import fixed_share_router
 
 # --- model shapes (config.json of each, as on the Hub, max_position_embeddings raised by MARGIN) ----
@@ -722,7 +722,6 @@ def run_decode(eng: Engine, spec: dict, t: dict) -> list[dict]:
 def worker(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     t_start = time.time()
-    bootstrap()
     work = Path(spec["work"])
     from elastic_vllm.vllm_plugin import plugin
 

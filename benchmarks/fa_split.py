@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-from _harness import ROOT, bench, bootstrap, environment, log, write_json
+from _harness import bench, environment, log, write_json
 
 SHAPES = {"llama": (32, 8, 128), "demo": (9, 3, 64)}
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -80,7 +80,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.cpu_dry:
         os.environ["TRITON_INTERPRET"] = "1"
-    bootstrap()
     import torch
 
     from elastic_vllm.vllm_plugin.ops import AttnParams, triton_attention
@@ -144,5 +143,4 @@ def summary(rows) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

@@ -85,7 +85,7 @@ FORCED_ON = "llama-elastic"  # all-FA requests do not consult the router: one el
 SHARE = LLAMA_ROUTERS["llama-elastic"][1]
 # the demo model's elastic server: the shipped router (found by router discovery), its training sink / window
 DEMO_ELASTIC = {"sink": 128, "window": 512}
-CHAT_SOURCE = ROOT / "benchmarks" / "data" / "smollm2_generalization.jsonl.gz"
+CHAT_SOURCE = ROOT / "elastic_vllm" / "eval" / "data" / "smollm2_generalization.jsonl.gz"
 
 
 # --- models ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """elastic-vllm: Elastic Attention (per-request FA/SA routing of KV heads) for vLLM.
 
-Importing this package has no side effects: nothing is compiled, patched or allocated.
-The vLLM plugin registers itself through the ``vllm.general_plugins`` entry point.
+Importing this package has no side effects: nothing is compiled, patched or allocated, and nothing is imported
+until a name is used (the kernels' checks on a bare GPU image import ``elastic_vllm.provenance`` without the
+configuration's pydantic). The vLLM plugin registers itself through the ``vllm.general_plugins`` entry point.
 """
 
 __version__ = "0.1.0"

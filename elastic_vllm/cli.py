@@ -4,6 +4,9 @@ Each subcommand is a pair ``_<name>_args(parser)`` / ``_<name>(args) -> int`` re
 COMMANDS; heavy imports stay inside the functions, and only the chosen subcommand's options are
 registered, so ``--help`` is instant (no torch import).
 
+Why one file of ~440 lines: the subcommands' pairs are a few lines each and sit beside the one COMMANDS table
+that registers them; the work they start lives in the package.
+
 Errors: a known failure (invalid configuration, missing file, bad router checkpoint, missing
 package, ...) prints ``elastic-vllm: error: <what> (fix: <how>)`` on one line and exits with 2; a
 longer message (e.g. a server's log tail) goes to a file named in that line. ``--debug`` or
@@ -107,7 +110,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from elastic_vllm.telemetry.serve import run_serve
+    from elastic_vllm.supervisor import run_serve
 
     return run_serve(a.model, list(a.vllm_args))
 
@@ -354,7 +357,7 @@ def explain(e: BaseException, cmd: str | None = None) -> tuple[str, str]:
     if isinstance(e, CLIError):
         return e.what, e.fix
     if _instance_of(e, "elastic_vllm.server", "ServeError"):
-        from elastic_vllm.telemetry.serve import fix_for
+        from elastic_vllm.supervisor import fix_for
 
         return e.cause, f"{fix_for(e.cause)}; the full server log is {e.log_path}"
     config_fix = "correct the field named above; every field with its type and default: docs/configuration.md"

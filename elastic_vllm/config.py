@@ -44,7 +44,7 @@ MAX_XATTN_BLOCK = 4096
 SA_MARGIN_MAX = 1024.0
 # The fail-safe floor's default (fa_floor): 0 = off. One constant, so the default the generalization suite measures
 # is a one-line change.
-FA_FLOOR_DEFAULT: int | float = 0
+FA_FLOOR_DEFAULT: float = 0.0
 # |bias| bound (deployment `bias`, per-request `elastic_bias`, load policy `max_bias`): the same logit scale as
 # sa_margin, so 1024 already routes every head of the shipped router either way
 BIAS_MAX = SA_MARGIN_MAX
@@ -218,12 +218,13 @@ class ElasticConfig(BaseModel):
     # "retrieval") run FA in auto routing whatever the router and the bias decide. On a retrieval prompt unlike
     # the training mixture the shipped SmolLM2 router found 2 / 10 answers at Omega_MSR 0.96; its 9 (of 90) heads
     # of the highest static retrieval scores forced FA found 9 / 10 at 0.86 (dense: 10 / 10).
-    fa_floor: int | float = Field(
-        FA_FLOOR_DEFAULT,
+    fa_floor: int | float | None = Field(
+        None,
         description="fail-safe floor: the KV heads ranked highest for retrieval by the router checkpoint (attention "
         "mass on needle tokens under dense attention) always run FA in `auto` routing, whatever the router and the "
         "bias decide (they count in Omega_MSR as FA); an int >= 0 is a count of heads, a float in (0, 1) a share "
-        "of all (layer, KV head) pairs (rounded half up); `0` = off. A request's `elastic_force` overrides it; with "
+        "of all (layer, KV head) pairs (rounded half up); `0` = off; unset (null): the default share "
+        f"{FA_FLOOR_DEFAULT} where the router holds a ranking, off where it holds none. A request's `elastic_force` overrides it; with "
         "a fixed SA budget (`target_omega`, `elastic_target_omega`) the count stays exact and the floor's heads "
         "are the last to go SA. Needs a router with a ranking (`elastic-vllm router-rank ROUTER_DIR --model "
         "MODEL_DIR` adds one)",
@@ -233,6 +234,8 @@ class ElasticConfig(BaseModel):
     @classmethod
     def _floor(cls, v: Any) -> Any:
         # an int is a count, a float a share: 9.0 would be ambiguous, and True would silently become 1
+        if v is None:
+            return v
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"must be a number (a count of heads or a share in (0, 1)), got {type(v).__name__}")
         if isinstance(v, int) and v < 0:

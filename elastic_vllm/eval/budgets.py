@@ -22,7 +22,6 @@ samples.jsonl.gz and budgets.png (score vs realized Omega_MSR, per category, one
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -212,10 +211,9 @@ def markdown(res: dict) -> str:
 
 def plot(res: dict, path: Path) -> Path:
     """Score vs realized Omega_MSR per category: one curve per head choice, dense and the router alone as points."""
-    import matplotlib
+    from elastic_vllm.eval.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cats = list(res["curves"])
     fig, axes = plt.subplots(1, max(1, len(cats)), figsize=(6 * max(1, len(cats)), 4.2), squeeze=False)
@@ -228,14 +226,10 @@ def plot(res: dict, path: Path) -> Path:
         ax.set_title(cat)
         ax.set_xlim(-0.02, 1.02)
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=110)
 
 
 if __name__ == "__main__":  # re-plot from a results.json
-    import sys
+    from elastic_vllm.eval.plots import replot
 
-    r = json.loads(Path(sys.argv[1]).read_text())
-    print(plot(r, Path(sys.argv[1]).parent / "budgets.png"))
+    replot(plot, "budgets.png")

@@ -5,7 +5,7 @@ Why one file of ~440 lines: the suite's run, aggregation per family, margin trad
     elastic-vllm eval --suite generalization-split --model DIR --router DIR --out OUT [--device cuda]
 
 Reads the generalization split (``build-data --generalization N``; the demo model's is committed as
-benchmarks/data/smollm2_generalization.jsonl.gz): samples of the haystack/form families that no
+elastic_vllm/eval/data/smollm2_generalization.jsonl.gz): samples of the haystack/form families that no
 training sample has (``train.families.HELD_OUT``), sensitive and robust. For every (family, category)
 cell it reports
 
@@ -398,10 +398,9 @@ def markdown(res: dict) -> str:
 
 def plot(res: dict, path: Path) -> Path:
     """Per held-out family: score relative to dense (bars, elastic and static) and Elastic's Omega_MSR (dots)."""
-    import matplotlib
+    from elastic_vllm.eval.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t = res["table"]
     fams = sorted(t)
@@ -422,14 +421,10 @@ def plot(res: dict, path: Path) -> Path:
         ax.set_ylim(0, 130)
     axes[0].set_ylabel("%")
     axes[1].legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=110)
 
 
 if __name__ == "__main__":  # re-plot from a results.json
-    import sys
+    from elastic_vllm.eval.plots import replot
 
-    r = json.loads(Path(sys.argv[1]).read_text())
-    print(plot(r, Path(sys.argv[1]).parent / "generalization.png"))
+    replot(plot, "generalization.png")

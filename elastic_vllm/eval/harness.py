@@ -338,7 +338,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gen-data",
         help="generalization: the split from `build-data --generalization N` "
-        "(default: benchmarks/data/smollm2_generalization.jsonl.gz); --samples caps each (family, category)",
+        "(default: elastic_vllm/eval/data/smollm2_generalization.jsonl.gz); --samples caps each (family, category)",
     )
     p.add_argument("--no-static", action="store_true", help="generalization: skip the static hybrid")
     p.add_argument(

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+import elastic_vllm.hf.ops as ops  # the module, not the package: hf/__init__ imports this one
 from elastic_vllm.config import HeadMode
-from elastic_vllm.hf import ops
 from elastic_vllm.hf.state import ElasticState
 from elastic_vllm.reference.attention import hybrid_attention_ref
 from elastic_vllm.router.model import budget_sa_counts
@@ -237,7 +237,7 @@ def _compute(modes, q, k, v, ctx, cfg, scale, xa, present: frozenset | None = No
     if impl == "reference":
         return _reference(q, k, v, modes, k_valid, q_valid, xa, cfg, scale)
     if impl == "triton":
-        from elastic_vllm.hf import triton_backend
+        import elastic_vllm.hf.triton_backend as triton_backend
 
         return triton_backend.hybrid_attention(q, k, v, modes, k_valid, q_valid, padded, xa, cfg, scale)
     present = set(modes.unique().tolist()) if present is None else set(present)

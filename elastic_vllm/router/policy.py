@@ -2,7 +2,7 @@
 
 Written once, here; every routing path runs it or is tested against it: the vLLM backend's torch glue
 (``vllm_plugin/routing.py``), the transformers integration (``hf/attention.py``) and the fused router
-kernel's epilogue (``csrc/route.py``, checked against :func:`route_heads` on a grid under the Triton
+kernel's epilogue (``elastic_vllm/ops/route/kernel.py``, checked against :func:`route_heads` on a grid under the Triton
 interpreter). For routed row r and KV head h of one layer, in this order::
 
     threshold  FA iff z_FA - z_SA > bias_r - sa_margin (float32; NaN / inf logits: FA)   decide
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from elastic_vllm.config import ConfigError, ElasticConfig, HeadMode
+from elastic_vllm.config import FA_FLOOR_DEFAULT, ConfigError, ElasticConfig, HeadMode
 from elastic_vllm.router.model import decide, decide_budget
 
 FORCE_CODE = {"auto": 0, "all-FA": 1, "all-SA": 2}
@@ -173,20 +173,43 @@ class RoutingTables(NamedTuple):
                 self.pooled[s, layer] = pooled.index_select(0, f)
 
 
+def floor_value(router, cfg: ElasticConfig) -> int | float:
+    """The floor ``cfg.fa_floor`` asks of ``router``: its value when set; unset (None), ``FA_FLOOR_DEFAULT``
+    where the router holds a retrieval-head ranking and 0 where it holds none (a crafted or converted router has
+    no ranking to keep; the startup log says which)."""
+    if cfg.fa_floor is not None:
+        return cfg.fa_floor
+    return FA_FLOOR_DEFAULT if getattr(router, "retrieval_scores", None) is not None else 0
+
+
 def floor_of(router, cfg: ElasticConfig, where: object = "the router") -> torch.Tensor | None:
     """bool [L, H_kv] floor mask of the whole model for ``cfg.fa_floor`` from ``router.retrieval_scores`` (the
-    checkpoint's ranking); None when the floor is off or no router routes. A floor > 0 with a router without a
-    ranking is a ConfigError naming the command that adds one."""
-    if not cfg.fa_floor or router is None:
+    checkpoint's ranking); None when the floor is off or no router routes. A floor set > 0 with a router without
+    a ranking is a ConfigError naming the command that adds one."""
+    if router is None:
+        return None
+    floor = floor_value(router, cfg)
+    if not floor:
         return None
     scores = getattr(router, "retrieval_scores", None)
     if scores is None:
         raise ConfigError(
-            f"elastic.fa_floor {cfg.fa_floor} needs the retrieval-head ranking of the router, but {where} has "
+            f"elastic.fa_floor {floor} needs the retrieval-head ranking of the router, but {where} has "
             f"none: add it with `elastic-vllm router-rank {where if where != 'the router' else 'ROUTER_DIR'} "
             "--model MODEL_DIR` (measures it and stores it in router.json), or set fa_floor 0"
         )
     try:
-        return floor_mask(scores, cfg.fa_floor)
+        return floor_mask(scores, floor)
     except ValueError as e:
         raise ConfigError(f"invalid elastic config: elastic.{e}") from None
+
+
+def describe_floor(router, cfg: ElasticConfig, mask: torch.Tensor | None) -> str:
+    """One line for the startup log: how many heads the floor keeps FA, and why."""
+    if router is None:
+        return "fa_floor: no router"
+    how = "set" if cfg.fa_floor is not None else f"default {FA_FLOOR_DEFAULT}"
+    if mask is None:
+        why = "" if cfg.fa_floor is not None else ", the router holds no retrieval ranking (elastic-vllm router-rank)"
+        return f"fa_floor: off ({how}{why})"
+    return f"fa_floor: {int(mask.sum())} of {mask.numel()} KV heads FA ({how})"

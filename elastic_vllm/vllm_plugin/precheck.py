@@ -35,6 +35,8 @@ from elastic_vllm.config import ConfigError, ElasticConfig, short_repr
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
 
 PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Pre-RoPE key recovery inverts NeoX-style (rotate-half) RoPE, which these architectures use.
+NEOX_ROPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite")
 ADDITIONAL_CONFIG = "--additional-config"
 _warned: set[str] = set()
 
@@ -98,6 +100,33 @@ def check_router_training(meta_attention: dict[str, Any], cfg: ElasticConfig, pa
         )
 
 
+def parse_additional_config(vllm_config) -> tuple[ElasticConfig, str | None]:
+    """ElasticConfig from ``--additional-config '{"elastic": {...}}'`` (errors name the field), and
+    the optional ``elastic_ops`` ("auto" | "torch" | "triton")."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"invalid elastic config: additional_config must be a JSON object, got {extra!r}")
+    return ElasticConfig.parse(extra.get("elastic")), extra.get("elastic_ops")
+
+
+def check_model_support(vllm_config) -> None:
+    """The model features the backend needs (NeoX RoPE, no speculative decoding, a supported parallel mode); a
+    ConfigError naming the one missing. Run here (the API server) and again by the engine (``state.EngineState``)."""
+    from elastic_vllm.vllm_plugin import parallel
+
+    hf = vllm_config.model_config.hf_config
+    text = getattr(hf, "text_config", None) or hf
+    model_type = getattr(text, "model_type", "unknown")
+    if model_type not in NEOX_ROPE_MODEL_TYPES:
+        raise ConfigError(
+            f"elastic: model_type {model_type!r} is not supported: pre-RoPE key recovery is implemented for "
+            f"NeoX-style RoPE models ({', '.join(NEOX_ROPE_MODEL_TYPES)})"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ConfigError("elastic: speculative decoding is not supported by the elastic attention backend")
+    parallel.check_parallel_support(vllm_config)
+
+
 def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
     """Every startup check that needs no engine (see the module docstring); raises naming the problem.
     ``http``: the process serves HTTP (`vllm serve`), whose /metrics the engine's metrics must reach."""
@@ -108,7 +137,6 @@ def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
     from elastic_vllm.router.policy import floor_of
     from elastic_vllm.vllm_plugin import compat
     from elastic_vllm.vllm_plugin.ops import resolve_ops
-    from elastic_vllm.vllm_plugin.state import check_model_support, parse_additional_config
 
     cfg, ops_requested = parse_additional_config(vllm_config)
     device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"

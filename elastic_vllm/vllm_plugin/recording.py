@@ -32,7 +32,7 @@ from elastic_vllm.vllm_plugin.overrides import routing_mode
 from elastic_vllm.vllm_plugin.parallel import HeadCounts, OmegaExchange, Topology
 
 if TYPE_CHECKING:
-    from elastic_vllm.vllm_plugin.state import RequestState
+    from elastic_vllm.vllm_plugin.requests import RequestState
 
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
 

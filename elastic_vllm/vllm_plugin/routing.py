@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elastic_vllm import ops as kernels
 from elastic_vllm.config import ElasticConfig
 from elastic_vllm.reference.rope import RopeSpec, invert_rope
 from elastic_vllm.router.model import ElasticRouter, boundary_positions
 from elastic_vllm.router.policy import FORCE_CODE, HeadRouting, RoutingTables, decode_modes, route_heads, thresholds
+
+if kernels.AVAILABLE:  # the one check: the torch glue routes without Triton
+    from elastic_vllm.ops.route import kernel as route_kernel
 
 __all__ = ["FORCE_CODE", "RouteBatch", "RouteRow", "TritonRouter", "build_route_batch", "decode_modes", "route_layer"]
 
@@ -227,16 +231,14 @@ def route_layer(
 
 
 class TritonRouter:
-    """The fused router kernel (``elastic_vllm.csrc.route``): gather, RoPE inversion, pooling and both
+    """The fused router kernel (``elastic_vllm.ops.route.kernel``): gather, RoPE inversion, pooling and both
     MLPs of all routing rows of one layer in one launch; its logits feed the same decision code."""
 
     def __init__(
         self, router: ElasticRouter, rope: RopeSpec, num_layers: int, num_kv_heads: int, max_rows: int, device
     ):
-        from elastic_vllm.csrc.route import pack_router_norm, pack_router_weights
-
-        self.weights = pack_router_weights(router).to(device).contiguous()
-        norm = pack_router_norm(router)  # the router's input standardization, if it has one
+        self.weights = route_kernel.pack_router_weights(router).to(device).contiguous()
+        norm = route_kernel.pack_router_norm(router)  # the router's input standardization, if it has one
         self.norm = None if norm is None else norm.to(device).contiguous()
         self.inv_freq = rope.inv_freq.to(device, torch.float32)
         self.scaling = float(rope.attention_scaling)
@@ -244,17 +246,15 @@ class TritonRouter:
         self.scratch = torch.zeros(max_rows, num_layers, num_kv_heads, dtype=torch.int8, device=device)
         self.no_floor = torch.zeros(num_layers, num_kv_heads, dtype=torch.int8, device=device)
         self.slots = torch.arange(max_rows, dtype=torch.int32, device=device)
-        self._prepared: dict[tuple, object] = {}  # csrc.route.Router per (block size, pooling): checked once
+        self._prepared: dict[tuple, object] = {}  # route_kernel.Router per (block size, pooling): checked once
         self._epilogue_checked = False
 
     def _launcher(self, key_cache: torch.Tensor, cfg: ElasticConfig):
-        from elastic_vllm.csrc.route import Router, check_key_cache
-
         key = (key_cache.shape[1], key_cache.shape[2], key_cache.shape[3], cfg.pool_tokens, cfg.pooling)
         r = self._prepared.get(key)
         if r is None:
-            check_key_cache(key_cache)
-            r = self._prepared[key] = Router(
+            route_kernel.check_key_cache(key_cache)
+            r = self._prepared[key] = route_kernel.Router(
                 self.weights, self.scratch, inv_freq=self.inv_freq, num_kv_heads=key_cache.shape[2],
                 head_dim=key_cache.shape[3], block_size=key_cache.shape[1], attention_scaling=self.scaling,
                 pool_tokens=cfg.pool_tokens, pooling=cfg.pooling, norm=self.norm,
@@ -271,16 +271,14 @@ class TritonRouter:
         rows, decode-phase modes) and ``RoutingTables.write`` in the router's finishing program, two launches
         per layer instead of ~14 small ops. Rows with a fixed SA budget use :func:`route_layer`
         (``RouteBatch.needs_glue``)."""
-        from elastic_vllm.csrc.route import RouteEpilogue, check_epilogue
-
         R = rb.rows.numel()
-        ep = RouteEpilogue(
+        ep = route_kernel.RouteEpilogue(
             row_info=rb.row_info, thresholds=rb.thresholds(cfg.sa_margin), floor=self.no_floor if floor is None else floor,
             tables=tables,
             decode_dense=cfg.decode_mode == "dense",
         )  # fmt: skip
         if not self._epilogue_checked:  # the engine's tables and RouteBatch dtypes never change: once
-            check_epilogue(ep, R, tables.step_modes.shape[0], tables.step_modes.shape[2], key_cache.device)
+            route_kernel.check_epilogue(ep, R, tables.step_modes.shape[0], tables.step_modes.shape[2], key_cache.device)
             self._epilogue_checked = True
         self._launcher(key_cache, cfg)(
             key_cache, rb.block_table, rb.rows_i32, rb.ends, self.slots[:R], layer, epilogue=ep,
@@ -289,7 +287,7 @@ class TritonRouter:
 
     def logits(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch, cfg: ElasticConfig) -> torch.Tensor:
         """Router logits [R, Hkv, 2] of the rows of ``rb`` at ``layer``: two kernel launches through a
-        launcher validated once (the checked ``csrc.route.route`` re-validated and rebuilt it per layer)."""
+        launcher validated once (the checked ``ops.route.kernel.route`` re-validated and rebuilt it per layer)."""
         R = rb.rows.numel()
         out = torch.empty(R, key_cache.shape[2], 2, dtype=torch.float32, device=key_cache.device)
         self._launcher(key_cache, cfg)(key_cache, rb.block_table, rb.rows_i32, rb.ends, self.slots[:R], layer, out)

@@ -1,6 +1,7 @@
-"""benchmarks/_harness.use_source_kernels: a bare checkout's csrc/ as elastic_vllm.csrc (the GPU machine's copy of
-the tree, where nothing is pip-installed)."""
+"""benchmarks/_harness.py: the run record, timing helpers, the correctness gate, and running this checkout's
+package (kernels included) also where another checkout is installed."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,34 +10,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _harness import use_source_kernels  # noqa: E402
 
 
-def test_maps_the_given_tree_even_when_another_csrc_is_installed(tmp_path):
-    (tmp_path / "csrc").mkdir()
-    (tmp_path / "csrc" / "__init__.py").write_text("TREE = 'other'\n")
-    (tmp_path / "csrc" / "prefill.py").write_text("WHO = 'other prefill'\n")
+def test_a_script_measures_its_own_checkout(tmp_path):
+    """With _harness imported, elastic_vllm (and its kernels) come from the script's checkout, even when run from
+    elsewhere without PYTHONPATH (an installed elastic-vllm of another checkout comes after it on sys.path)."""
     code = (
-        "import elastic_vllm.csrc as before, sys\n"
-        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
-        "from _harness import use_source_kernels\n"
-        f"use_source_kernels({str(tmp_path)!r})\n"
-        "import elastic_vllm.csrc as c\n"
-        "from elastic_vllm.csrc import prefill\n"
-        "print(before.__file__ != c.__file__, c.TREE, prefill.WHO)\n"
-        f"use_source_kernels({str(ROOT)!r})\n"
-        "import elastic_vllm.csrc as back\n"
-        "from elastic_vllm.csrc import prefill\n"
-        "print(hasattr(back, 'TREE'), hasattr(prefill, 'prefill_attention'))\n"
+        f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import _harness, elastic_vllm.ops.prefill.kernel as k\n"
+        "print(k.__file__)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["True other other prefill", "False True"]
-
-
-def test_refuses_a_folder_without_kernels(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a source checkout"):
-        use_source_kernels(tmp_path)
+    assert Path(out.stdout.strip()) == ROOT / "elastic_vllm" / "ops" / "prefill" / "kernel.py"
 
 
 def test_run_record_names_the_commit_given_by_the_device_caller(monkeypatch):
@@ -47,7 +36,7 @@ def test_run_record_names_the_commit_given_by_the_device_caller(monkeypatch):
     assert env["git_commit"] == "feedbeef" and env["git_commit_from"] == "GIT_COMMIT" and env["git_dirty"] is None
     assert env["command"] == "python3 benchmarks/x.py --out 'a b.json'"
     assert env["torch"] and env["gpu"] and env["no_such_module_here"].startswith("unavailable (")
-    assert len(env["csrc_sha256"]) == 64
+    assert len(env["ops_sha256"]) == 64
 
 
 def test_quantiles_and_atomic_json(tmp_path):

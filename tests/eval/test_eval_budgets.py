@@ -18,14 +18,11 @@ TARGETS = (0.25, 0.5, 0.9)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, sources):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a shared CPU (test_eval_harness.py says why)
+def run(tmp_path_factory, sources, one_thread):
     d = tmp_path_factory.mktemp("budgets")
     out = d / "out"
     argv = ["--suite", "budgets", *tiny_suite_argv(d, sources), "--out", str(out), "--quick"]
     assert harness.main([*argv, "--targets", *map(str, TARGETS)]) == 0
-    torch.set_num_threads(n)
     return out
 
 

@@ -5,16 +5,13 @@ import gzip
 import json
 
 import pytest
-import torch
-from test_eval_harness import ESSAY
+from test_eval_harness import ESSAY, save_tiny_model_and_router
 
 from elastic_vllm.eval import generalization as G
 from elastic_vllm.eval import harness
 from elastic_vllm.eval.baselines import calibration_prompts
 from elastic_vllm.eval.ruler import write_jsonl
-from elastic_vllm.hf.testing import byte_tokenizer, save_tiny_model
-from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
-from elastic_vllm.router.model import ElasticRouter
+from elastic_vllm.hf.testing import byte_tokenizer
 from elastic_vllm.train.build import build_generalization
 from elastic_vllm.train.families import HELD_OUT
 
@@ -22,17 +19,7 @@ from elastic_vllm.train.families import HELD_OUT
 def tiny_suite_argv(d, sources) -> list[str]:
     """A tiny random llama (3 layers x 2 KV heads), a random router, a generalization split and calibration prompts
     under ``d``: the harness arguments that read them (without --suite and --out)."""
-    save_tiny_model("llama", d / "model", seed=2)
-    torch.manual_seed(0)
-    router = ElasticRouter(3, 16)
-    with torch.no_grad():
-        for layer in router.layers:
-            layer.cls_router_head_agnostic[4].weight.mul_(30.0)
-    meta = RouterMeta(
-        backbone=BackboneMeta(num_layers=3, num_kv_heads=2, head_dim=16, id="tiny"),
-        attention={"mode": "FA-SSA", "sink": 16, "window": 64},
-    )
-    save_router(router, d / "router", meta)
+    save_tiny_model_and_router(d)
     tok = byte_tokenizer()
     build_generalization(
         d / "gen", tok, sources, per_family=1, min_tokens=300, max_tokens=700, stdlib=sources / "stdlib"
@@ -43,15 +30,12 @@ def tiny_suite_argv(d, sources) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, sources):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a shared CPU (test_eval_harness.py says why)
+def run(tmp_path_factory, sources, one_thread):
     d = tmp_path_factory.mktemp("gen")
     out = d / "out"
     argv = ["--suite", "generalization-split", *tiny_suite_argv(d, sources)]
     argv += ["--out", str(out), "--quick", "--margins", "1000", "-1000"]
     assert harness.main(argv) == 0
-    torch.set_num_threads(n)
     return out
 
 

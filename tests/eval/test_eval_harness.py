@@ -5,16 +5,16 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from elastic_vllm.eval import harness
 from elastic_vllm.eval.baselines import calibration_prompts
 from elastic_vllm.eval.needle import make_needle_prompt
 from elastic_vllm.eval.robust import generate_robust, in_router_eval_split
 from elastic_vllm.eval.ruler import write_jsonl
-from elastic_vllm.hf.testing import byte_tokenizer, save_tiny_model
+from elastic_vllm.hf.testing import byte_tokenizer, save_tiny_model, sharp_router
 from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
-from elastic_vllm.router.model import ElasticRouter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LENGTH = 512
 ESSAY = " ".join(
@@ -45,30 +45,20 @@ def _records(tok) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one intra-op thread is faster, and far faster on a shared 2-core machine (35 ms vs 1.4 ms
-    per 512x64 linear measured with other jobs running)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def save_tiny_model_and_router(d) -> None:
+    """A tiny random llama (3 layers x 2 KV heads) in d/model and a sharp random router for it in d/router."""
+    save_tiny_model("llama", d / "model", seed=2)
+    meta = RouterMeta(
+        backbone=BackboneMeta(num_layers=3, num_kv_heads=2, head_dim=16, id="tiny"),
+        attention={"mode": "FA-SSA", "sink": 16, "window": 64},
+    )
+    save_router(sharp_router(seed=0), d / "router", meta)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("acc")
-    save_tiny_model("llama", d / "model", seed=2)
-    torch.manual_seed(0)
-    router = ElasticRouter(3, 16)
-    with torch.no_grad():
-        for layer in router.layers:
-            layer.cls_router_head_agnostic[4].weight.mul_(30.0)
-    meta = RouterMeta(
-        backbone=BackboneMeta(num_layers=3, num_kv_heads=2, head_dim=16, id="tiny"),
-        attention={"mode": "FA-SSA", "sink": 16, "window": 64},
-    )
-    save_router(router, d / "router", meta)
+    save_tiny_model_and_router(d)
     data = write_jsonl(d / "data.jsonl.xz", _records(byte_tokenizer()))
     out = d / "out"
     argv = ["--model", str(d / "model"), "--router", str(d / "router"), "--data", str(data)]

@@ -17,7 +17,7 @@ from elastic_vllm.eval.ruler import (
     write_jsonl,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+DATA = Path(__file__).resolve().parents[2] / "elastic_vllm" / "eval" / "data"
 
 
 def test_task_configs_cover_the_13_tasks():

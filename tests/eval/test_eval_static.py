@@ -8,17 +8,9 @@ from elastic_vllm.hf import enable_elastic
 from elastic_vllm.hf.testing import byte_tokenizer, tiny_model
 from elastic_vllm.sparsity import omega_msr
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXT = " ".join(f"Sentence {i} tells of the {w} near the river." for i, w in enumerate(["oak", "fox", "sun"] * 40))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one intra-op thread is faster, and far faster on a shared 2-core machine (35 ms vs 1.4 ms
-    per 512x64 linear measured with other jobs running)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,12 @@
 """vLLM (CPU build, elastic backend) and transformers agree on the harness's prompts: same routing, same tokens."""
 
 import pytest
-import torch
 
 from elastic_vllm.config import ElasticConfig
 from elastic_vllm.eval.agreement import vllm_agreement
 from elastic_vllm.eval.needle import make_needle_prompt
+from elastic_vllm.hf.testing import sharp_router
 from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
-from elastic_vllm.router.model import ElasticRouter
 
 pytestmark = pytest.mark.slow  # a real vLLM engine on the demo model
 
@@ -16,11 +15,7 @@ def test_vllm_and_transformers_agree(demo_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(demo_model_dir)
-    torch.manual_seed(3)
-    router = ElasticRouter(30, 64)
-    with torch.no_grad():  # sharp logits: a mix of FA and SA heads
-        for layer in router.layers:
-            layer.cls_router_head_agnostic[4].weight.mul_(30.0)
+    router = sharp_router(30, 64, seed=3)  # sharp logits: a mix of FA and SA heads
     meta = RouterMeta(backbone=BackboneMeta(num_layers=30, num_kv_heads=3, head_dim=64, id="smollm2-test"))
     save_router(router, tmp_path / "router", meta)
     records = []

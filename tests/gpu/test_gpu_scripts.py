@@ -1,10 +1,13 @@
-"""The pure parts of tests/gpu/check_tp.py on the CPU (tiny shapes), so that a typo does not cost a GPU session:
-the random-weight Llama writer (loads in transformers, reproducible), the mixed-decision router, the assembly of
-the ranks' routing events, and the evaluation of every check on synthetic step records."""
+"""The GPU tests' parts that run on the CPU, so that a typo does not cost a GPU session: test_gpu_tp.py's pure parts
+(tiny shapes: the random-weight Llama writer (loads in transformers, reproducible), the mixed-decision router, the
+assembly of the ranks' routing events, the evaluation of every check on synthetic step records), and
+test_gpu_kernels.py's cases at toy sizes under the Triton interpreter (``--cpu-dry``), with the JSON rows the GPU
+session brings back."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -18,8 +21,7 @@ GPU_DIR = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def ct():
-    sys.path.insert(0, str(GPU_DIR))
-    spec = importlib.util.spec_from_file_location("check_tp", GPU_DIR / "check_tp.py")
+    spec = importlib.util.spec_from_file_location("gpu_tp_under_test", GPU_DIR / "test_gpu_tp.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -212,16 +214,46 @@ def test_plugin_site_declares_the_entry_point(ct, tmp_path):
     site = ct.plugin_site(tmp_path)
     code = (
         "from importlib.metadata import entry_points\n"
-        "eps = [e for e in entry_points(group='vllm.general_plugins') if e.value.startswith('_elastic_checkout')]\n"
+        "eps = [e for e in entry_points(group='vllm.general_plugins') if e.dist.name == 'elastic-vllm-checkout']\n"
         "eps[0].load()()\n"
         "from vllm.v1.attention.backends.registry import AttentionBackendEnum\n"
         "assert AttentionBackendEnum['ELASTIC'] is AttentionBackendEnum.CUSTOM\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(GPU_DIR.parents[1])])}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_help_runs():
-    r = subprocess.run([sys.executable, str(GPU_DIR / "check_tp.py"), "--help"], capture_output=True, text=True)
-    assert r.returncode == 0 and "--time-budget" in r.stdout
+def test_step_help_runs():
+    r = subprocess.run([sys.executable, str(GPU_DIR / "test_gpu_tp.py"), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--step" in r.stdout
+
+
+def test_kernel_cases_of_the_hf_triton_path_run_dry(tmp_path):
+    """test_gpu_kernels.py's cases of the transformers engine's Triton path at toy sizes under the interpreter, run as
+    tools/gpu_session.sh runs the GPU tests (tests/gpu/conftest.py alone): the plumbing the GPU run relies on (padded
+    prompt and decode step vs the torch path) and the rows it writes."""
+    out = tmp_path / "ck.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--confcutdir", str(GPU_DIR),
+         str(GPU_DIR / "test_gpu_kernels.py"), "--cpu-dry", "-k", "hf_triton", "--gpu-out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=GPU_DIR.parents[1],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    res = d["results"]
+    assert len(res) == 2 and all(r["ok"] and r["err"] <= r["bound"] for r in res), res
+    assert d["env"]["git_commit"] and d["env"]["torch"] and len(d["env"]["ops_sha256"]) == 64
+
+
+def test_gpu_tests_are_skipped_without_a_gpu():
+    """Without CUDA and without --cpu-dry every GPU test is skipped, saying why (a hardware gate)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CPU machine's behaviour")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(GPU_DIR / "test_gpu_kernels.py"),
+         str(GPU_DIR / "test_gpu_vllm.py"), "-rs"],
+        capture_output=True, text=True, timeout=600, cwd=GPU_DIR.parents[1],
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0 and " passed" not in out and "no CUDA device" in out, out[-3000:]

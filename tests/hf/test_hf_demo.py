@@ -2,32 +2,23 @@
 
 import pytest
 import torch
+from testlib import assert_needle_answered
 
-from elastic_vllm.eval.needle import make_needle_prompt
 from elastic_vllm.hf import load_elastic_model
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def elastic_demo(demo_model_dir):
-    # one thread: on a shared 2-core machine two threads made these forwards 6-10x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_elastic_model(demo_model_dir, {"force": "all-FA", "sink": 128, "window": 512})
-    torch.set_num_threads(n)
+def elastic_demo(demo_model_dir, one_thread):
+    return load_elastic_model(demo_model_dir, {"force": "all-FA", "sink": 128, "window": 512})
 
 
 def test_needle_answered_through_elastic_path_all_fa(elastic_demo):
     model, tok = elastic_demo
     model.elastic_state.num_prefills = 0
     assert model.config._attn_implementation == "elastic"
-    p = make_needle_prompt(tok, 1000, depth=0.4, seed=3)
-    ids = tok(p.text(tok), return_tensors="pt", add_special_tokens=False)
-    assert 900 < ids["input_ids"].shape[1] < 1100
-    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert p.answer in answer
+    assert_needle_answered(model, tok)
     state = model.elastic_state
     assert state.num_prefills == 1 and state.last_routing.shape == (1, 30, 3) and state.last_routing.all()
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AttentionInterface
 
 from elastic_vllm.config import ElasticConfig
-from elastic_vllm.hf import ATTN_IMPLEMENTATION, attention_modules, disable_elastic, enable_elastic
+from elastic_vllm.hf import ATTN_IMPLEMENTATION, attention_modules, disable_elastic, enable_elastic, testing
 from elastic_vllm.hf.attention import elastic_attention_forward
 from elastic_vllm.hf.testing import tiny_model
 from elastic_vllm.reference.attention import hybrid_attention_ref, write_paged
@@ -15,28 +15,15 @@ from elastic_vllm.reference.rope import RopeSpec, invert_rope
 from elastic_vllm.router.checkpoint import BackboneMeta, RouterCheckpointError, RouterMeta, save_router
 from elastic_vllm.router.model import ElasticRouter
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAMILIES = ["llama", "qwen2", "qwen3"]
 L, HKV, D = 3, 2, 16
 CFG = dict(sink=4, window=12, xattn_block=16, xattn_stride=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models: one thread is several times faster than two on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def sharp_router(seed=0, gain=30.0):
-    """A random router whose logits move a lot with the input, so decisions differ between prompts."""
-    torch.manual_seed(seed)
-    r = ElasticRouter(L, D)
-    with torch.no_grad():
-        for layer in r.layers:
-            layer.cls_router_head_agnostic[4].weight.mul_(gain)
-    return r
+    return testing.sharp_router(L, D, seed, gain)
 
 
 def batch(lengths, seed=0, vocab=256):
@@ -273,23 +260,11 @@ def test_xa_heads_are_dense_at_decode():
     model = tiny_model("llama")
     state = enable_elastic(model, {**CFG, "mode": "FA-XA", "decode_mode": "sparse"}, sharp_router(seed=1))
     ids, mask = batch([40, 33], seed=4)
-    sparse = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=4,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, output_scores=True,
+               return_dict_in_generate=True)  # fmt: skip
+    sparse = model.generate(**gen)
     state.set_config(decode_mode="dense")
-    dense = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=4,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
+    dense = model.generate(**gen)
     for a, b in zip(sparse.scores, dense.scores):
         torch.testing.assert_close(a, b)
 

@@ -111,7 +111,7 @@ def test_masked_attention_with_padding_and_modes(q_len):
 def test_masked_attention_accepts_a_permuted_sdpa_output(monkeypatch):
     """CUDA's SDPA (efficient / flash backends) returns [B, H, L, D] with [B, L, H, D] strides; the grouped
     output must still come back as [B, Hq, Q, D] (a `.view` raised on the H200). The layout is forced here; the
-    real CUDA call is checked by tests/gpu/check_kernels.py ("hf triton path")."""
+    real CUDA call is checked by tests/gpu/test_gpu_kernels.py ("hf triton path")."""
     cfg = ElasticConfig(sink=2, window=5)
     B, Hq, Hkv, K, D = 2, 4, 2, 24, 8
     k_pos, k_valid = ops.token_positions(torch.ones(B, K, dtype=torch.bool), B, K, "cpu")

@@ -1,23 +1,16 @@
-"""The transformers engine's Triton path (elastic_vllm.csrc kernels; TRITON_INTERPRET=1 on the CPU)
+"""The transformers engine's Triton path (elastic_vllm.ops kernels; TRITON_INTERPRET=1 on the CPU)
 equals its torch path: padded batch, FA / SSA / XA heads, prefill and decode."""
 
 import pytest
 import torch
 
 from elastic_vllm.hf import enable_elastic, triton_backend
-from elastic_vllm.hf.testing import tiny_model
-from elastic_vllm.router.model import ElasticRouter
+from elastic_vllm.hf.testing import sharp_router, tiny_model
 
-pytestmark = pytest.mark.skipif(not triton_backend.available(), reason="triton / elastic_vllm.csrc not importable")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models: one thread is several times faster than two on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not triton_backend.available(), reason="triton not installed"),
+]
 
 
 def test_auto_picks_torch_on_cpu():
@@ -25,11 +18,7 @@ def test_auto_picks_torch_on_cpu():
 
 
 def test_triton_path_matches_torch_path_padded_fa_xa_with_decode():
-    torch.manual_seed(1)
-    router = ElasticRouter(3, 16)
-    with torch.no_grad():
-        for layer in router.layers:
-            layer.cls_router_head_agnostic[4].weight.mul_(30.0)
+    router = sharp_router(seed=1)
     model = tiny_model("llama")
     state = enable_elastic(
         model, {"mode": "FA-XA", "sink": 4, "window": 12, "xattn_block": 16, "xattn_stride": 4}, router
@@ -90,7 +79,8 @@ def _ctx(mask, B, K, Q, impl):
 @pytest.fixture
 def launches(monkeypatch):
     """Records every kernel launch of the backend (the real kernels still run) with its cache block size."""
-    from elastic_vllm.csrc import decode, prefill
+    from elastic_vllm.ops.decode import kernel as decode
+    from elastic_vllm.ops.prefill import kernel as prefill
 
     seen = []
 

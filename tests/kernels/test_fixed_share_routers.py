@@ -1,4 +1,4 @@
-"""The benchmarks' fixed-share routers (benchmarks/_routers.py) through the fused router kernel (csrc/route.py,
+"""The benchmarks' fixed-share routers (benchmarks/_routers.py) through the fused router kernel (elastic_vllm/ops/route/kernel.py,
 under TRITON_INTERPRET=1) with the Llama-3.1-8B shape's 32 layers and 8 KV heads (head_dim 32 here, 128 there: the
 interpreter's cost grows with it, the decisions do not depend on it): the head-mixing router
 realizes exactly 2 FA + 6 SA KV heads in every layer at 0.75 (4 + 4 at 0.5), the whole-layer router whole layers,
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from elastic_vllm.csrc.route import pack_router_norm, pack_router_weights, route
 
+from elastic_vllm.ops.route.kernel import pack_router_norm, pack_router_weights, route
 from elastic_vllm.reference.paged import make_paged_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

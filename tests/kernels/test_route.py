@@ -1,4 +1,4 @@
-"""Router kernel (csrc/route.py) against ElasticRouter + pool_keys + invert_rope, under TRITON_INTERPRET=1."""
+"""Router kernel (elastic_vllm/ops/route/kernel.py) against ElasticRouter + pool_keys + invert_rope, under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from elastic_vllm.csrc.route import (
+from kutils import no_host_sync, strided_caches
+
+from elastic_vllm.ops.route.kernel import (
     _sincos,
     pack_router_norm,
     pack_router_weights,
@@ -14,11 +16,9 @@ from elastic_vllm.csrc.route import (
     route,
     router_param_count,
 )
-from kutils import no_host_sync, strided_caches
-
+from elastic_vllm.ops.route.naive import route_logits_ref
 from elastic_vllm.reference.paged import make_paged_batch
 from elastic_vllm.reference.rope import RopeSpec
-from elastic_vllm.reference.route import route_logits_ref
 from elastic_vllm.router.model import ElasticRouter, num_parameters_per_layer
 
 LOGIT_ATOL = 2e-5  # fp32 throughout; only summation order differs
@@ -97,7 +97,7 @@ def test_route_with_input_norm_matches_reference(pool):
 
 def test_route_long_boundary_pool_uses_the_pooling_launch():
     """2 * pool_tokens > FUSED_POOL_MAX: a token-parallel pooling launch feeds the Task-MLP launch."""
-    from elastic_vllm.csrc.route import FUSED_POOL_MAX
+    from elastic_vllm.ops.route.kernel import FUSED_POOL_MAX
 
     pool = FUSED_POOL_MAX // 2 + 20
     batch, spec, router, rows, plens = make_case([2 * pool + 77, 300, 5], layers=2, pool=pool, seed=9)
@@ -197,7 +197,7 @@ def test_route_launcher_errors_name_the_argument():
 
 def test_prepared_router_repeated_calls_rearm_counters():
     """The hot-path launcher: one validation, then many layers; the last-program counters re-arm."""
-    from elastic_vllm.csrc.route import Router
+    from elastic_vllm.ops.route.kernel import Router
 
     batch, spec, router, rows, plens = make_case([120, 230], layers=3, seed=8)
     w = pack_router_weights(router)
@@ -215,8 +215,7 @@ def test_prepared_router_repeated_calls_rearm_counters():
 
 def _epilogue(force, dphase, fslot, brow, thr, floor, L, batch_rows, slots, decode_dense):
     """A RouteEpilogue over poisoned tables: modes -7, fa False, logits NaN (entries that must stay untouched)."""
-    from elastic_vllm.csrc.route import RouteEpilogue
-
+    from elastic_vllm.ops.route.kernel import RouteEpilogue
     from elastic_vllm.router.policy import RoutingTables
 
     hkv = floor.shape[1]
@@ -291,8 +290,7 @@ def test_route_epilogue_matches_the_policy(decode_mode, mode, use_floor):
 
 
 def test_route_epilogue_errors_name_the_table():
-    from elastic_vllm.csrc.route import RouteEpilogue
-
+    from elastic_vllm.ops.route.kernel import RouteEpilogue
     from elastic_vllm.router.policy import RoutingTables
 
     batch, spec, router, rows, plens = make_case([120, 80])

@@ -11,6 +11,11 @@ from elastic_vllm.reference.paged import make_paged_batch
 FA, SSA, XA = int(HeadMode.FA), int(HeadMode.SSA), int(HeadMode.XA)
 
 
+def paged(batch):
+    """The paged batch as the reference's first six arguments."""
+    return batch.q, batch.key_cache, batch.value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens
+
+
 def loop_mask(mode, q_start, q_len, seq_len, sink, window, bm=None, blk=128):
     """Mask built element by element, independent of the code under test."""
     m = torch.zeros(q_len, seq_len, dtype=torch.bool)
@@ -77,12 +82,7 @@ def test_reference_matches_sdpa(scenario, gqa):
         xa_masks.append(m)
     sink, window = 3, 10
     out = hybrid_attention_ref(
-        batch.q,
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_table,
-        batch.query_start_loc,
-        batch.seq_lens,
+        *paged(batch),
         modes,
         sink,
         window,
@@ -126,12 +126,7 @@ def test_xa_without_mask_is_an_error():
     batch = make_paged_batch([8], [8], 2, 1, 8, block_size=4)
     with pytest.raises(ValueError, match="no block mask"):
         hybrid_attention_ref(
-            batch.q,
-            batch.key_cache,
-            batch.value_cache,
-            batch.block_table,
-            batch.query_start_loc,
-            batch.seq_lens,
+            *paged(batch),
             torch.tensor([[XA]]),
             2,
             4,

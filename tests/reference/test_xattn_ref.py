@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from elastic_vllm.reference.xattn import antidiagonal_scores, xattn_block_mask_ref
+from elastic_vllm.ops.xattn_select.naive import antidiagonal_scores, xattn_block_mask_ref
 
 
 def test_antidiagonal_scores_brute_force():

@@ -75,8 +75,8 @@ def test_router_with_nan_output_runs_fa_and_is_counted(caplog):
     from elastic_vllm.vllm_plugin import observe
     from elastic_vllm.vllm_plugin.parallel import Topology
     from elastic_vllm.vllm_plugin.recording import Recorder
+    from elastic_vllm.vllm_plugin.requests import RequestState
     from elastic_vllm.vllm_plugin.routing import RouteRow
-    from elastic_vllm.vllm_plugin.state import RequestState
 
     logits, fa = _nan_router_routing([RouteRow(0, 40, "auto", False, 0)])
     assert fa[0, 1].all(), "NaN logits must give FA"
@@ -112,8 +112,8 @@ def test_nonfinite_counter_counts_only_heads_that_ran_fa_for_it(row, state, coun
     from elastic_vllm.vllm_plugin.overrides import Knobs
     from elastic_vllm.vllm_plugin.parallel import Topology
     from elastic_vllm.vllm_plugin.recording import Recorder
+    from elastic_vllm.vllm_plugin.requests import RequestState
     from elastic_vllm.vllm_plugin.routing import RouteRow
-    from elastic_vllm.vllm_plugin.state import RequestState
 
     rows = [
         RouteRow(0, 40, "auto", False, 0),

@@ -24,7 +24,7 @@ from elastic_vllm.vllm_plugin.overrides import (
     request_override,
     validate_sampling_params,
 )
-from elastic_vllm.vllm_plugin.state import parse_additional_config
+from elastic_vllm.vllm_plugin.precheck import parse_additional_config
 
 json_values = st.recursive(
     st.none()

@@ -128,7 +128,7 @@ def start_wrapper(tmp_path: Path, fake: Path, args: tuple[str, ...] = (), model:
     driver = (
         f"import atexit, sys; atexit.register(lambda: open({str(tmp_path / 'vllm-imported')!r}, 'w')"
         ".write(str('vllm' in sys.modules)))\n"
-        "import elastic_vllm.telemetry.serve as s; from elastic_vllm.cli import main; "
+        "import elastic_vllm.supervisor as s; from elastic_vllm.cli import main; "
         f"s.vllm_serve_argv = lambda model, extra: [{str(fake)!r}, 'serve', model, *extra]; "
         + "".join(f"s.{name} = {value!r}; " for name, value in consts.items())  # e.g. ENGINE_GONE_GRACE_S
         # a file once the watch has seen the engine core: the test kills it only after that (no timing)
@@ -388,14 +388,14 @@ def test_signal_death_maps_to_128_plus_n(tmp_path):
     ],
 )
 def test_root_cause(log, want):
-    from elastic_vllm.telemetry.serve import root_cause
+    from elastic_vllm.supervisor import root_cause
 
     got = root_cause(log)
     assert (got is None) if want is None else (want in got), got
 
 
 def test_every_fix_says_what_to_do():
-    from elastic_vllm.telemetry.serve import fix_for
+    from elastic_vllm.supervisor import fix_for
 
     for cause in ("ValueError: To serve at least one request ...", "OSError: x", "something else"):
         fix = fix_for(cause)

@@ -1,5 +1,5 @@
 """Normal stops of a real `elastic-vllm serve` (demo model, CPU build) exit 0, whatever vLLM's shutdown or a
-client wrote into the log: the exit code comes from the processes (`telemetry/serve.py`).
+client wrote into the log: the exit code comes from the processes (`elastic_vllm/supervisor.py`).
 
 ``ELASTIC_STOP_N`` servers (default 10) are started one after the other and stopped the two ways an operator
 does: SIGTERM to the wrapper (systemd, Kubernetes) and SIGINT to its process group (Ctrl-C), alternately. Before

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from elastic_vllm.server import metric_value
-from elastic_vllm.telemetry.serve import ENGINE_GONE_GRACE_S, KILL_AFTER_S, LEFTOVER_GRACE_S
+from elastic_vllm.supervisor import ENGINE_GONE_GRACE_S, KILL_AFTER_S, LEFTOVER_GRACE_S
 
 from .serving import MODEL_NAME, SERVE_ARGS, own_server, tree_pids
 

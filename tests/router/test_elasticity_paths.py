@@ -63,7 +63,7 @@ def test_fused_router_applies_a_bias_per_row():
     assert len(seen) > 1  # the biases make the rows decide differently
     from dataclasses import replace
 
-    from elastic_vllm.csrc.route import RouteEpilogue, check_epilogue
+    from elastic_vllm.ops.route.kernel import RouteEpilogue, check_epilogue
 
     ep = RouteEpilogue(rb.row_info, rb.thresholds(cfg.sa_margin), k.no_floor, tables, False)
     check_epilogue(ep, R, 2, 2, torch.device("cpu"))

@@ -14,6 +14,7 @@ import torch
 from test_sa_margin import tiny_elastic
 
 from elastic_vllm.config import FA_FLOOR_DEFAULT, ConfigError, ElasticConfig
+from elastic_vllm.router import policy
 from elastic_vllm.router.checkpoint import (
     BackboneMeta,
     RetrievalRanking,
@@ -37,7 +38,7 @@ from elastic_vllm.router.policy import floor_mask, floor_of, route_heads
         (float("nan"), r"a share of heads must be in \(0, 1\)"),
         (True, "must be a number"),
         ("9", "must be a number"),
-        (None, "must be a number"),
+        ([9], "must be a number"),
     ],
 )
 def test_fa_floor_is_validated_naming_the_field(value, msg):
@@ -46,7 +47,8 @@ def test_fa_floor_is_validated_naming_the_field(value, msg):
 
 
 def test_fa_floor_values_and_default():
-    assert ElasticConfig().fa_floor == FA_FLOOR_DEFAULT == 0
+    assert ElasticConfig().fa_floor is None and ElasticConfig.parse({"fa_floor": None}).fa_floor is None
+    assert isinstance(FA_FLOOR_DEFAULT, float) and 0.0 <= FA_FLOOR_DEFAULT < 1.0  # a share: any model's size
     assert ElasticConfig.parse({"fa_floor": 9}).fa_floor == 9 and isinstance(ElasticConfig(fa_floor=9).fa_floor, int)
     assert ElasticConfig.parse('{"fa_floor": 0.1}').fa_floor == 0.1
     # the floor is a serving knob beside a force or a budget (a force overrides it, a budget takes it last)
@@ -84,6 +86,27 @@ def test_checkpoint_stores_the_ranking_and_older_ones_load(tmp_path):
     assert int(share.sum()) == 3 and share[1, 1]
     with pytest.raises(ConfigError, match=r"elastic\.fa_floor: 7 heads, but the model has 3 x 2 = 6"):
         floor_of(ck.router, ElasticConfig(fa_floor=7))
+
+
+def test_unset_floor_is_the_default_where_the_router_holds_a_ranking(tmp_path, monkeypatch):
+    """Unset: the default share where the router holds a ranking, off (and said so) where it holds none; set: the
+    value, and a set floor > 0 without a ranking is refused."""
+    monkeypatch.setattr(policy, "FA_FLOOR_DEFAULT", 0.5)
+    bare = load_router(_router(tmp_path / "a")).router
+    ranked = load_router(_router(tmp_path / "b", scores=[[0.1, 0.5], [0.0, 0.3], [0.9, 0.2]])).router
+    unset, off, two = ElasticConfig(), ElasticConfig(fa_floor=0), ElasticConfig(fa_floor=2)
+    assert policy.floor_value(ranked, unset) == 0.5 and policy.floor_value(bare, unset) == 0
+    assert policy.floor_value(ranked, off) == 0 and policy.floor_value(bare, two) == 2
+    assert policy.floor_value(None, unset) == 0
+    mask = floor_of(ranked, unset)  # round-half-up(0.5 x 6) = 3: the 3 highest scores
+    assert mask.tolist() == [[False, True], [False, True], [True, False]]
+    assert floor_of(bare, unset) is None and floor_of(ranked, off) is None and floor_of(None, two) is None
+    assert policy.describe_floor(ranked, unset, mask) == "fa_floor: 3 of 6 KV heads FA (default 0.5)"
+    assert "off (default 0.5, the router holds no retrieval ranking" in policy.describe_floor(bare, unset, None)
+    assert policy.describe_floor(ranked, off, None) == "fa_floor: off (set)"
+    assert policy.describe_floor(ranked, two, floor_of(ranked, two)) == "fa_floor: 2 of 6 KV heads FA (set)"
+    with pytest.raises(ConfigError, match="fa_floor 2 needs the retrieval-head ranking"):
+        floor_of(bare, two)
 
 
 @pytest.mark.parametrize(

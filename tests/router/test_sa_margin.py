@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from elastic_vllm.config import SA_MARGIN_MAX, ConfigError, ElasticConfig
+from elastic_vllm.hf.testing import sharp_router
+from elastic_vllm.ops.route.naive import route_logits_ref
 from elastic_vllm.reference.paged import make_paged_batch
 from elastic_vllm.reference.rope import RopeSpec
-from elastic_vllm.reference.route import route_logits_ref
 from elastic_vllm.router.model import ElasticRouter, decide
 from elastic_vllm.router.policy import RoutingTables
 
@@ -121,11 +122,7 @@ def tiny_elastic():
     from elastic_vllm.hf import enable_elastic
     from elastic_vllm.hf.testing import tiny_model
 
-    torch.manual_seed(0)
-    router = ElasticRouter(3, 16)
-    with torch.no_grad():
-        for layer in router.layers:
-            layer.cls_router_head_agnostic[4].weight.mul_(30.0)
+    router = sharp_router(seed=0)
     model = tiny_model("llama")
     state = enable_elastic(model, {"sink": 4, "window": 12}, router)
     return model, state, router, torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))

@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from elastic_vllm.hf.testing import byte_tokenizer
-from elastic_vllm.train.build import Builder, build, build_generalization, parse_task_counts
+from elastic_vllm.train.build import Builder, build, build_generalization
+from elastic_vllm.train.cli import parse_task_counts
 from elastic_vllm.train.data import prompt_text, read_jsonl, tokenize
 from elastic_vllm.train.families import (
     FORMS,

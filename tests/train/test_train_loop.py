@@ -16,16 +16,9 @@ from elastic_vllm.router.checkpoint import BackboneShape, load_router
 from elastic_vllm.train.config import TrainConfig
 from elastic_vllm.train.loop import lr_factor, tau_at, train
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ELASTIC = {"sink": 4, "window": 16}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models: one thread is several times faster than two on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def write_data(path, n=16, seed=0):

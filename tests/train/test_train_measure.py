@@ -13,15 +13,9 @@ from elastic_vllm.hf.testing import save_tiny_model
 from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
 from elastic_vllm.router.model import ElasticRouter
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "measure_trained_router.py"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

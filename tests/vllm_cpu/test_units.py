@@ -14,10 +14,10 @@ import torch
 from transformers import LlamaConfig
 
 from elastic_vllm.config import ConfigError, HeadMode
+from elastic_vllm.ops.xattn_select.naive import xattn_block_mask_ref
 from elastic_vllm.reference.attention import hybrid_attention_ref
 from elastic_vllm.reference.paged import make_paged_batch
 from elastic_vllm.reference.rope import RopeSpec, apply_rope
-from elastic_vllm.reference.xattn import xattn_block_mask_ref
 from elastic_vllm.router.checkpoint import RouterCheckpointError
 from elastic_vllm.router.model import ElasticRouter, decide, pool_keys
 from elastic_vllm.vllm_plugin import observe
@@ -408,7 +408,7 @@ def test_per_request_routing_lifecycle(tmp_path, runner, chunk_routing):
 def test_vllm_warmup_requests_are_routed_but_not_recorded(tmp_path):
     """vLLM 0.26's V2 runner warms up through execute_model with requests '_warmup_{i}_' (2-token prompts):
     they are routed like any request, but no routing event / metric is recorded for them."""
-    from elastic_vllm.vllm_plugin.state import is_vllm_warmup_request
+    from elastic_vllm.vllm_plugin.requests import is_vllm_warmup_request
 
     assert is_vllm_warmup_request("_warmup_0_") and is_vllm_warmup_request("_warmup_12_")
     assert is_vllm_warmup_request("_v2_mixed_warmup_decode_") and is_vllm_warmup_request("_v2_mixed_warmup_prefill_")

@@ -22,8 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from elastic_vllm.csrc import decode, prefill, route, xattn_select
 
+from elastic_vllm.ops.decode import kernel as decode
+from elastic_vllm.ops.prefill import kernel as prefill
+from elastic_vllm.ops.route import kernel as route
+from elastic_vllm.ops.xattn_select import kernel as xattn_select
 from elastic_vllm.reference.attention import dense_paged_attention
 from elastic_vllm.router.model import ElasticRouter
 from elastic_vllm.vllm_plugin import backend, compat, observe, warmup

@@ -3,7 +3,7 @@
 the warm-up check that admits a dense kernel only when it computes what the elastic kernels compute.
 The real kernel (vLLM's FA3 over the engine's paged cache) is checked on the GPU by the engine's own warm-up
 (the admission check below, on every start) and, through the engine against FLASH_ATTN, by
-tests/gpu/check_vllm.py (``--checks dense``)."""
+tests/gpu/test_gpu_vllm.py (``-k dense``)."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def test_fa_heads_split_equals_the_hybrid_kernel(mode):
     """A mixed step (a decode row, chunked and whole prompt rows) with the prompt rows' FA heads on a dense
     kernel and the rest on the hybrid prefill (``skip_fa``) equals the hybrid kernels alone, and the dense kernel
     is called once per KV head with G query heads, key counts 0 where that head is not FA. The real kernel
-    (vLLM's FA3) is checked by the engine's warm-up on every start and by tests/gpu/check_kernels.py."""
+    (vLLM's FA3) is checked by the engine's warm-up on every start and by tests/gpu/test_gpu_kernels.py."""
     from elastic_vllm.vllm_plugin.ops import triton_attention
 
     g = torch.Generator().manual_seed(29)

@@ -9,7 +9,7 @@ from elastic_vllm.config import ElasticConfig
 from elastic_vllm.vllm_plugin import observe
 from elastic_vllm.vllm_plugin.parallel import Topology
 from elastic_vllm.vllm_plugin.recording import Recorder, StepTimer
-from elastic_vllm.vllm_plugin.state import RequestState
+from elastic_vllm.vllm_plugin.requests import RequestState
 
 L, H, SLOTS = 3, 4, 5
 

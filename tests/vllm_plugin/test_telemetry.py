@@ -6,8 +6,8 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from elastic_vllm.supervisor import OWNER_FILE, PREFIX, prepare_multiproc_dir, vllm_serve_argv
 from elastic_vllm.telemetry.metrics import RoutingRecord, record_routing
-from elastic_vllm.telemetry.serve import OWNER_FILE, PREFIX, prepare_multiproc_dir, vllm_serve_argv
 
 
 def _val(name, **labels):

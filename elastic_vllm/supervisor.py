@@ -18,6 +18,9 @@ as its child:
   other exit keeps the server's code;
 - SIGTERM / SIGHUP to the wrapper go to the server; SIGINT reaches both (same process group), the
   wrapper waits for the server to stop.
+
+Why one file of ~430 lines: one supervised child, whose start (argv, multiprocess folder, checks), watch (the
+engine core processes) and end (exit code, root cause, fix) read the same state.
 """
 
 from __future__ import annotations

@@ -41,11 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attn import attn_step, attn_tile, kv_loop, long_first_head, tile_blocks
-from ._common import (
-    INDEX_DTYPES,
-    MODE_DTYPES,
-    check_cache_pair,
+from elastic_vllm.ops._attn import attn_step, attn_tile, kv_loop, long_first_head, tile_blocks
+from elastic_vllm.ops._common import (
+    check_paged_batch,
+    check_ssa,
     check_tensor,
     dot_precision,
     interpret,
@@ -454,29 +453,11 @@ def prefill_attention(
     Returns:
         out [T, Hq, D] in q's dtype. No host synchronisation.
     """
-    check_tensor(q, "q", dim=3, dtypes=(torch.float16, torch.bfloat16, torch.float32), last_contiguous=True)
-    dev = q.device
-    _nb, bs, hkv, d = check_cache_pair(key_cache, value_cache)
-    if key_cache.dtype != q.dtype:
-        raise ValueError(f"key_cache: dtype {key_cache.dtype} differs from q's {q.dtype}")
-    if key_cache.device != dev:
-        raise ValueError(f"key_cache: on {key_cache.device}, expected {dev}")
-    T, hq, dq = q.shape
-    if dq != d:
-        raise ValueError(f"q: head_dim {dq} differs from the cache's {d}")
-    if hq % hkv:
-        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
-    B = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
-    check_tensor(seq_lens, "seq_lens", dim=1, dtypes=INDEX_DTYPES, device=dev)
-    check_tensor(query_start_loc, "query_start_loc", dim=1, dtypes=INDEX_DTYPES, shape=(B + 1,), device=dev)
-    check_tensor(block_table, "block_table", dim=2, dtypes=INDEX_DTYPES, shape=(B, None), device=dev)
-    if head_mode_slots is None:
-        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(B, hkv), device=dev)
-    else:
-        check_tensor(head_mode_slots, "head_mode_slots", dim=1, dtypes=INDEX_DTYPES, shape=(B,), device=dev)
-        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(None, hkv), device=dev)
-    if sink < 0 or window < 1:
-        raise ValueError(f"sink/window: need sink >= 0 and window >= 1, got sink={sink} window={window}")
+    B, hq, hkv, d, bs = check_paged_batch(
+        q, key_cache, value_cache, seq_lens, block_table, head_modes, head_mode_slots, query_start_loc
+    )
+    dev, T = q.device, q.shape[0]
+    check_ssa(sink, window)
     has_xa = xa_block_idx is not None or xa_block_cnt is not None
     if has_xa:
         if xa_block_idx is None or xa_block_cnt is None:

@@ -93,6 +93,58 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
     return nb, bs, hkv, d
 
 
+def check_paged_batch(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    head_modes: torch.Tensor,
+    head_mode_slots: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+) -> tuple[int, int, int, int, int]:
+    """The checks every attention launcher makes first: q [T, Hq, D] float, D contiguous; the paged cache
+    (``value_cache`` None: keys only, as the XA selection reads them) on q's device in q's dtype, Hq a multiple of
+    Hkv; seq_lens [B]; query_start_loc [B+1] (None: one query per request, B = T); block_table [B, max_blocks];
+    head_modes [B, Hkv], or a [slots, Hkv] table read at head_mode_slots [B]. Returns (B, Hq, Hkv, D, block_size);
+    a ValueError naming the argument otherwise."""
+    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    dev = q.device
+    if value_cache is None:
+        check_tensor(key_cache, "key_cache", dim=4, dtypes=(q.dtype,), device=dev, last_contiguous=True)
+        _nb, bs, hkv, d = key_cache.shape
+    else:
+        _nb, bs, hkv, d = check_cache_pair(key_cache, value_cache)
+        if key_cache.dtype != q.dtype:
+            raise ValueError(f"key_cache: dtype {key_cache.dtype} differs from q's {q.dtype}")
+        if key_cache.device != dev:
+            raise ValueError(f"key_cache: on {key_cache.device}, expected {dev}")
+    T, hq, dq = q.shape
+    if dq != d:
+        raise ValueError(f"q: head_dim {dq} differs from the cache's {d}")
+    if hq % hkv:
+        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
+    if query_start_loc is None:
+        B = T
+        check_tensor(seq_lens, "seq_lens", dim=1, dtypes=INDEX_DTYPES, shape=(B,), device=dev)
+    else:
+        B = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
+        check_tensor(seq_lens, "seq_lens", dim=1, dtypes=INDEX_DTYPES, device=dev)
+        check_tensor(query_start_loc, "query_start_loc", dim=1, dtypes=INDEX_DTYPES, shape=(B + 1,), device=dev)
+    check_tensor(block_table, "block_table", dim=2, dtypes=INDEX_DTYPES, shape=(B, None), device=dev)
+    if head_mode_slots is None:
+        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(B, hkv), device=dev)
+    else:
+        check_tensor(head_mode_slots, "head_mode_slots", dim=1, dtypes=INDEX_DTYPES, shape=(B,), device=dev)
+        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(None, hkv), device=dev)
+    return B, hq, hkv, d, bs
+
+
+def check_ssa(sink: int, window: int) -> None:
+    if sink < 0 or window < 1:
+        raise ValueError(f"sink/window: need sink >= 0 and window >= 1, got sink={sink} window={window}")
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 

@@ -213,7 +213,7 @@ def long_first_head(p_md, s_hm1, num_kv_heads, i_l, t_cap, i0, BLOCK_H: tl.const
     i_g in its group, heads of the group). The long heads (FA, and XA: mode != 1) of every tile come first,
     heaviest tile first, the long heads of one tile adjacent; then the SSA heads the same way. Long programs of
     one wave then walk K/V in step and share it through L2; mixed in with short SSA programs (tile-major order,
-    csrc/README.md) they start staggered, walk different K/V tiles and, at 128K where one head's K/V (64 MB)
+    elastic_vllm/ops/README.md) they start staggered, walk different K/V tiles and, at 128K where one head's K/V (64 MB)
     outgrows L2, the hybrid turned HBM-bound (87.2 vs 74.4 ms at 128K, 75% SSA heads). Scalar loads in
     static loops over the BLOCK_H heads keep the head a uniform value (a tl.sum/cumsum over a head vector made it
     per-thread, and every K/V address derived from it: +8 / +26 spilled registers in the sm_90 build, 7% slower

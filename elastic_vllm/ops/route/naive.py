@@ -1,4 +1,4 @@
-"""Reference routing from a paged cache: the oracle of ``elastic_vllm.csrc.route``.
+"""Reference routing from a paged cache: the oracle of ``elastic_vllm.ops.route.kernel``.
 
 Gathers each routed request's prompt keys (POST-RoPE, as the cache holds them), rotates them
 back to pre-RoPE keys, pools them and runs the layer's router: the exact composition

@@ -29,12 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attn import attn_step
-from ._common import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    MODE_DTYPES,
-    check_cache_pair,
+from elastic_vllm.ops._attn import attn_step
+from elastic_vllm.ops._common import (
+    check_paged_batch,
+    check_ssa,
     check_tensor,
     dot_precision,
     interpret,
@@ -246,27 +244,9 @@ def decode_attention(
     Returns:
         out [B, Hq, D] in q's dtype. No host synchronisation; CUDA-graph capturable.
     """
-    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    B, hq, hkv, d, bs = check_paged_batch(q, key_cache, value_cache, seq_lens, block_table, head_modes, head_mode_slots)
     dev = q.device
-    _nb, bs, hkv, d = check_cache_pair(key_cache, value_cache)
-    if key_cache.dtype != q.dtype:
-        raise ValueError(f"key_cache: dtype {key_cache.dtype} differs from q's {q.dtype}")
-    if key_cache.device != dev:
-        raise ValueError(f"key_cache: on {key_cache.device}, expected {dev}")
-    B, hq, dq = q.shape
-    if dq != d:
-        raise ValueError(f"q: head_dim {dq} differs from the cache's {d}")
-    if hq % hkv:
-        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
-    check_tensor(seq_lens, "seq_lens", dim=1, dtypes=INDEX_DTYPES, shape=(B,), device=dev)
-    check_tensor(block_table, "block_table", dim=2, dtypes=INDEX_DTYPES, shape=(B, None), device=dev)
-    if head_mode_slots is None:
-        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(B, hkv), device=dev)
-    else:
-        check_tensor(head_mode_slots, "head_mode_slots", dim=1, dtypes=INDEX_DTYPES, shape=(B,), device=dev)
-        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(None, hkv), device=dev)
-    if sink < 0 or window < 1:
-        raise ValueError(f"sink/window: need sink >= 0 and window >= 1, got sink={sink} window={window}")
+    check_ssa(sink, window)
     if not isinstance(max_seq_len, int) or max_seq_len < 0:
         raise ValueError(f"max_seq_len: a Python int >= 0 is required, got {max_seq_len!r}")
     use_pdl = resolve_pdl(pdl, dev)

@@ -1,6 +1,6 @@
 """XAttention block selection on the GPU: antidiagonal scoring + threshold, per (request, KV head).
 
-Same semantics as ``elastic_vllm.reference.xattn.xattn_block_mask_ref`` (read its docstring):
+Same semantics as ``elastic_vllm.ops.xattn_select.naive.xattn_block_mask_ref`` (read its docstring):
 strided antidiagonal estimates over absolute stride groups, group-level causal softmax (float32),
 block mass summed over the live query groups and the G query heads of the KV head, then per
 query block the smallest set of key blocks (largest mass first, ties to the lower index) whose
@@ -34,11 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    MODE_DTYPES,
-    check_tensor,
+from elastic_vllm.ops._common import (
+    check_paged_batch,
     dot_precision,
     next_pow2,
 )
@@ -95,7 +92,7 @@ def _est_tile(
 
 
 @triton.jit(
-    do_not_specialize=[  # q / cache strides specialised: 16-byte loads (csrc/prefill.py)
+    do_not_specialize=[  # q / cache strides specialised: 16-byte loads (elastic_vllm/ops/prefill/kernel.py)
         "s_bt",
         "s_hm0",
         "s_xi0",
@@ -289,24 +286,10 @@ def xattn_select(
         (xa_block_idx [B, Hkv, max_q_blocks, max_k_blocks] int32, xa_block_cnt [B, Hkv, max_q_blocks]
         int32), the metadata ``prefill_attention`` takes. No host synchronisation.
     """
-    check_tensor(q, "q", dim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    B, hq, hkv, d, bs = check_paged_batch(
+        q, key_cache, None, seq_lens, block_table, head_modes, head_mode_slots, query_start_loc
+    )
     dev = q.device
-    check_tensor(key_cache, "key_cache", dim=4, dtypes=(q.dtype,), device=dev, last_contiguous=True)
-    _nb, bs, hkv, d = key_cache.shape
-    _t, hq, dq = q.shape
-    if dq != d:
-        raise ValueError(f"q: head_dim {dq} differs from the cache's {d}")
-    if hq % hkv:
-        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
-    B = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
-    check_tensor(seq_lens, "seq_lens", dim=1, dtypes=INDEX_DTYPES, device=dev)
-    check_tensor(query_start_loc, "query_start_loc", dim=1, dtypes=INDEX_DTYPES, shape=(B + 1,), device=dev)
-    check_tensor(block_table, "block_table", dim=2, dtypes=INDEX_DTYPES, shape=(B, None), device=dev)
-    if head_mode_slots is None:
-        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(B, hkv), device=dev)
-    else:
-        check_tensor(head_mode_slots, "head_mode_slots", dim=1, dtypes=INDEX_DTYPES, shape=(B,), device=dev)
-        check_tensor(head_modes, "head_modes", dim=2, dtypes=MODE_DTYPES, shape=(None, hkv), device=dev)
     if stride < 1 or block % stride:
         raise ValueError(f"block: {block} must be a multiple of stride {stride}")
     per = block // stride

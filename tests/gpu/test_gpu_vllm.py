@@ -1,12 +1,13 @@
-#!/usr/bin/env python3
 """The elastic vLLM backend on the lent GPU (vLLM 0.26, real engine, Triton kernels, CUDA graphs on).
 
-    PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 \\
-        python3 tests/gpu/check_vllm.py --model /path/to/SmolLM2-135M-Instruct --out $OUT/check_vllm.json \\
-        [--router router_weights/smollm2-135m-instruct] [--checks all_fa,graphs,needle,batch,long] [--long-len 131072]
+    PYTHONPATH=/tmp/vsite:$PWD TRITON_INTERPRET=0 python3 -m pytest tests/gpu/test_gpu_vllm.py -k needle \\
+        --model /path/to/SmolLM2-135M-Instruct --gpu-out $OUT/check_vllm.json --gpu-append [--router DIR] [--long-len N]
 
-Engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one after another; the plugin is registered
-directly (no pip install needed on a bare checkout). Checks, one JSON row each (``ok``, numbers, seconds):
+Engines run in the test's process (VLLM_ENABLE_V1_MULTIPROCESSING=0); the plugin is registered directly (no pip
+install needed on a bare checkout). One process per test (``tools/gpu_session.sh check`` runs them one by one,
+``--gpu-append`` joining the rows): a second engine in one process tripped the CUDA caching allocator during graph
+capture ('use_count > 0 INTERNAL ASSERT', first H200 run) and left later checks a broken RNG. Tests, one JSON row
+each (``ok``, numbers, seconds):
 
 - all_fa_<runner>: every head forced FA vs FLASH_ATTN (vLLM's default on Hopper), bf16, CUDA graphs on, for
   Model Runner V2 (0.26's default for dense models) and V1. Tolerance: greedy tokens equal at every position
@@ -40,49 +41,44 @@ directly (no pip install needed on a bare checkout). Checks, one JSON row each (
 
 from __future__ import annotations
 
-import argparse
-import gc
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import ROOT, bootstrap, close_llm, environment, write_json
 
-ARGS = None
-ENV: dict = {}
-RESULTS: list[dict] = []
+from tests.vllm_cpu.helpers import close_llm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
 LOGPROB_ATOL = 0.05
 TIE_MARGIN = 0.1
 
 
-def record(name: str, ok: bool, secs: float, **extra) -> None:
-    RESULTS.append({"name": name, "ok": bool(ok), "s": round(secs, 1), **extra})
-    print(f"{name:<28} {'PASS' if ok else 'FAIL'} {secs:7.1f}s {json.dumps(extra)[:300]}", flush=True)
-    write_json(ARGS.out, {"env": ENV, "results": RESULTS})
+@pytest.fixture(scope="module")
+def args(gpu_option):
+    """The options of these tests; the elastic plugin registered in this process (no entry point needed)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from elastic_vllm.vllm_plugin import plugin
+
+    plugin.register()
+    assert AttentionBackendEnum["ELASTIC"] is AttentionBackendEnum.CUSTOM
+    return SimpleNamespace(model=gpu_option("--model", required=True), router=gpu_option("--router"),
+                           trained_router=gpu_option("--trained-router"), needle_n=gpu_option("--needle-n"),
+                           needle_len=gpu_option("--needle-len"), long_len=gpu_option("--long-len"))  # fmt: skip
 
 
-def run_check(name: str, fn) -> None:
-    t = time.perf_counter()
-    try:
-        fn(name, t)
-    except Exception as e:  # a crash is a failed check; the next checks still run
-        traceback.print_exc()
-        record(name, False, time.perf_counter() - t, error=repr(e)[:800])
-    gc.collect()
-    try:
-        import torch
-
-        torch.cuda.empty_cache()
-    except Exception:
-        pass
+def verdict(record, name: str, ok: bool, **numbers) -> None:
+    record(name, ok, **numbers)
+    assert ok, f"{name}: {json.dumps(numbers, default=str)[:2000]}"
 
 
 def llm_(model, **kw):
@@ -147,8 +143,8 @@ def compare_greedy(ref_out, out) -> tuple[bool, float, int]:
     return worst <= LOGPROB_ATOL, worst, n
 
 
-def _generate(backend: str, **kw):
-    llm = llm_(ARGS.model, attention_backend=backend, **kw)
+def _generate(args, backend: str, **kw):
+    llm = llm_(args.model, attention_backend=backend, **kw)
     prompts = chat_prompts(llm.get_tokenizer())
     use_v2 = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
     outs = llm.generate(prompts, greedy(32, logprobs=2), use_tqdm=False)
@@ -156,35 +152,34 @@ def _generate(backend: str, **kw):
     return outs, use_v2
 
 
-def check_all_fa(runner: str):
-    def run(name, t0):
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
-        ref, _ = _generate("FLASH_ATTN")
-        floor_outs, _ = _generate("TRITON_ATTN")
-        floor = [compare_greedy(r, o) for r, o in zip(ref, floor_outs)]
-        outs, use_v2 = _generate("elastic", additional_config={"elastic": {"force": "all-FA"}})
-        rows = [compare_greedy(r, o) for r, o in zip(ref, outs)]
-        noise = max(w for _, w, _ in floor)
-        bound = max(LOGPROB_ATOL, 2 * noise)
-        worst = max(w for _, w, _ in rows)
-        diverged = [i for i, (r, o) in enumerate(zip(ref, outs)) if not _same_until_tie(r, o)]
-        record(
-            name,
-            not diverged and worst <= bound and use_v2 == (runner == "v2"),
-            time.perf_counter() - t0,
-            v2_runner=use_v2,
-            max_logprob_diff=worst,
-            bound=bound,
-            noise_floor_triton_attn=noise,
-            triton_attn_identical_outputs=sum(
-                r.outputs[0].token_ids == o.outputs[0].token_ids for r, o in zip(ref, floor_outs)
-            ),
-            diverged_before_a_tie=diverged,
-            positions_compared=sum(n for _, _, n in rows),
-            identical_outputs=sum(r.outputs[0].token_ids == o.outputs[0].token_ids for r, o in zip(ref, outs)),
-        )
-
-    return run
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_all_fa(runner, args, record):
+    name = f"all_fa_{runner}"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    ref, _ = _generate(args, "FLASH_ATTN")
+    floor_outs, _ = _generate(args, "TRITON_ATTN")
+    floor = [compare_greedy(r, o) for r, o in zip(ref, floor_outs)]
+    outs, use_v2 = _generate(args, "elastic", additional_config={"elastic": {"force": "all-FA"}})
+    rows = [compare_greedy(r, o) for r, o in zip(ref, outs)]
+    noise = max(w for _, w, _ in floor)
+    bound = max(LOGPROB_ATOL, 2 * noise)
+    worst = max(w for _, w, _ in rows)
+    diverged = [i for i, (r, o) in enumerate(zip(ref, outs)) if not _same_until_tie(r, o)]
+    verdict(
+        record,
+        name,
+        not diverged and worst <= bound and use_v2 == (runner == "v2"),
+        v2_runner=use_v2,
+        max_logprob_diff=worst,
+        bound=bound,
+        noise_floor_triton_attn=noise,
+        triton_attn_identical_outputs=sum(
+            r.outputs[0].token_ids == o.outputs[0].token_ids for r, o in zip(ref, floor_outs)
+        ),
+        diverged_before_a_tie=diverged,
+        positions_compared=sum(n for _, _, n in rows),
+        identical_outputs=sum(r.outputs[0].token_ids == o.outputs[0].token_ids for r, o in zip(ref, outs)),
+    )
 
 
 def _same_until_tie(ref_out, out) -> bool:
@@ -200,7 +195,8 @@ def _same_until_tie(ref_out, out) -> bool:
     return True
 
 
-def check_graphs(name, t0):
+def test_graphs(args, record):
+    name = "graphs"
     from elastic_vllm.vllm_plugin import observe
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
@@ -210,7 +206,7 @@ def check_graphs(name, t0):
     # capture differs: against enforce_eager (no torch.compile) the first run's prefill logits already
     # differed (compiled vs eager bf16 ops: prompt 5 took another first token at a 0.13 logprob gap)
     for mode, kw in (("graphs", {}), ("no_graphs", {"compilation_config": {"cudagraph_mode": "NONE"}})):
-        llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg, **kw)
+        llm = llm_(args.model, attention_backend="elastic", additional_config=cfg, **kw)
         prompts = chat_prompts(llm.get_tokenizer())
         before = observe.COUNTERS.forward_calls
         outs = llm.generate(prompts, greedy(48, logprobs=2), use_tqdm=False)
@@ -230,23 +226,22 @@ def check_graphs(name, t0):
         first_diff.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
     worst = max(w for _, w, _ in rows)
     # without graphs: 30 forward calls per step (>= 48 steps); graphs: only the prefill steps run the Python forward
-    record(name, not diverged and calls_graphs < calls_ref / 4, time.perf_counter() - t0,
+    verdict(record, name, not diverged and calls_graphs < calls_ref / 4,
            forward_calls_graphs=calls_graphs, forward_calls_no_graphs=calls_ref, diverged_before_a_tie=diverged,
            first_differing_position=first_diff, max_logprob_diff_until_tie=worst,
            identical_outputs=sum(d is None for d in first_diff))  # fmt: skip
 
 
-def needle_router(tmp: Path) -> Path:
-    if ARGS.router:
-        return Path(ARGS.router)
-    sys.path.insert(0, str(ROOT))
+def needle_router(args, tmp: Path) -> Path:
+    if args.router:
+        return Path(args.router)
     import torch
 
     from elastic_vllm.eval.needle import make_needle_prompt
     from tests.vllm_cpu.hf_ref import HFReference
     from tests.vllm_cpu.routers import SMOLLM2_RETRIEVAL_HEADS, head_selecting_rules, linear_router, save_test_router
 
-    ref = HFReference(ARGS.model)
+    ref = HFReference(args.model)
     tok = ref.tok
     texts = [chat_prompts(tok)[i] for i in range(3)] + [make_needle_prompt(tok, 300, seed=0).text(tok)]
     pooled = torch.stack([ref.pooled(tok(t).input_ids) for t in texts])
@@ -254,17 +249,18 @@ def needle_router(tmp: Path) -> Path:
     return save_test_router(r, tmp / "retrieval", 3, "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
-def check_needle(name, t0):
+def test_needle(args, record):
+    name = "needle"
     from elastic_vllm.eval.needle import make_needle_prompt
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     with tempfile.TemporaryDirectory() as td:
-        router = needle_router(Path(td))
+        router = needle_router(args, Path(td))
         cfg = {"elastic": {"router_path": str(router), "sink": 128, "window": 512, "decode_mode": "sparse"}}
-        llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg, enable_prefix_caching=False)
+        llm = llm_(args.model, attention_backend="elastic", additional_config=cfg, enable_prefix_caching=False)
         tok = llm.get_tokenizer()
         needles = [
-            make_needle_prompt(tok, ARGS.needle_len, depth=(i % 5 + 0.5) / 5, seed=i) for i in range(ARGS.needle_n)
+            make_needle_prompt(tok, args.needle_len, depth=(i % 5 + 0.5) / 5, seed=i) for i in range(args.needle_n)
         ]
         texts = [n.text(tok) for n in needles]
         acc, msr = {}, []
@@ -275,20 +271,21 @@ def check_needle(name, t0):
                 msr = [e.omega_msr for e in events_by_request(outs) if e is not None]
         close_llm(llm)
     ok = acc["auto"] >= acc["all-FA"] - 0.2 and len(msr) == len(needles)
-    record(name, ok, time.perf_counter() - t0, accuracy=acc, mean_omega_msr=sum(msr) / max(len(msr), 1),
-           prompts=len(needles), prompt_tokens=ARGS.needle_len)  # fmt: skip
+    verdict(record, name, ok, accuracy=acc, mean_omega_msr=sum(msr) / max(len(msr), 1),
+           prompts=len(needles), prompt_tokens=args.needle_len)  # fmt: skip
 
 
-def check_batch(name, t0):
+def test_batch(args, record):
+    name = "batch"
     import torch
 
     from elastic_vllm.eval.needle import make_needle_prompt
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     with tempfile.TemporaryDirectory() as td:
-        router = needle_router(Path(td))
+        router = needle_router(args, Path(td))
         cfg = {"elastic": {"router_path": str(router), "sink": 64, "window": 256}}
-        llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg)
+        llm = llm_(args.model, attention_backend="elastic", additional_config=cfg)
         tok = llm.get_tokenizer()
         texts = chat_prompts(tok)[:4] + [make_needle_prompt(tok, 1500, seed=s).text(tok) for s in range(2)]
         forces = ["auto", "all-FA", "all-SA", "auto", "all-SA", "auto"]
@@ -303,23 +300,22 @@ def check_batch(name, t0):
     )
     distinct = len({tuple(e.decisions.flatten().tolist()) for e in evs if e is not None})
     nonempty = all(len(o.outputs[0].token_ids) > 0 for o in outs)
-    record(name, recorded and want and distinct >= 3 and nonempty, time.perf_counter() - t0,
+    verdict(record, name, recorded and want and distinct >= 3 and nonempty,
            distinct_routings=distinct, omega_msr=[round(e.omega_msr, 3) for e in evs if e is not None],
            decisions_equal_shape=all(e.decisions.shape == torch.Size([30, 3]) for e in evs if e is not None))  # fmt: skip
 
 
-def check_trained(name, t0):
-
-    sys.path.insert(0, str(ROOT))
+def test_trained(args, record):
+    name = "trained"
     from elastic_vllm.eval.needle import make_needle_prompt
     from tests.vllm_cpu.helpers import LOGIT_EPS
     from tests.vllm_cpu.hf_ref import HFElasticReference
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    router = Path(ARGS.trained_router)
+    router = Path(args.trained_router)
     knobs = {"sink": 128, "window": 512}
     cfg = {"elastic": {"router_path": str(router), **knobs}}
-    llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg, dtype="float32",
+    llm = llm_(args.model, attention_backend="elastic", additional_config=cfg, dtype="float32",
                enable_prefix_caching=False)  # fmt: skip
     tok = llm.get_tokenizer()
     texts = chat_prompts(tok)[:3] + [
@@ -328,7 +324,7 @@ def check_trained(name, t0):
     outs = llm.generate(texts, greedy(4), use_tqdm=False)
     evs = events_by_request(outs)
     close_llm(llm)
-    ref = HFElasticReference(ARGS.model, knobs, router)
+    ref = HFElasticReference(args.model, knobs, router)
     compared = disagree = 0
     max_diff, msr = 0.0, []
     for o, e in zip(outs, evs):
@@ -342,18 +338,19 @@ def check_trained(name, t0):
         max_diff = max(max_diff, float((e.logits.float() - ref_logits).abs().max()))
         msr.append(round(e.omega_msr, 3))
     ok = disagree == 0 and compared > 0 and max_diff < 5e-2
-    record(name, ok, time.perf_counter() - t0, router=str(router), compared=compared, disagreements=disagree,
+    verdict(record, name, ok, router=str(router), compared=compared, disagreements=disagree,
            max_logit_diff=max_diff, omega_msr=msr, prompt_tokens=[len(o.prompt_token_ids) for o in outs])  # fmt: skip
 
 
-def check_long(name, t0):
+def test_long(args, record):
+    name = "long"
     import torch
 
     from elastic_vllm.router.checkpoint import BackboneMeta, RouterMeta, save_router
     from elastic_vllm.router.model import ElasticRouter
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    n = ARGS.long_len
+    n = args.long_len
     with tempfile.TemporaryDirectory() as td:
         mdir = Path(td) / "llama8b"
         mdir.mkdir()
@@ -386,7 +383,7 @@ def check_long(name, t0):
                 msr = None if e is None else round(e.omega_msr, 3)
             assert len(out.outputs[0].token_ids) == 4
         close_llm(llm)
-    record(name, msr is not None, time.perf_counter() - t0, prompt_tokens=n, seconds=times, omega_msr=msr)
+    verdict(record, name, msr is not None, prompt_tokens=n, seconds=times, omega_msr=msr)
 
 
 def _omega_observations() -> float:
@@ -402,24 +399,25 @@ def _omega_observations() -> float:
     )
 
 
-def check_metrics(name, t0):
+def test_metrics(args, record):
+    name = "metrics"
     from elastic_vllm.vllm_plugin import observe
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # 0.26's default runner, whose warm-up runs requests
     before, warm0 = _omega_observations(), observe.COUNTERS.warmup_routings
     with tempfile.TemporaryDirectory() as td:
-        router = needle_router(Path(td))
-        llm = llm_(ARGS.model, attention_backend="elastic", additional_config={"elastic": {"router_path": str(router)}})
+        router = needle_router(args, Path(td))
+        llm = llm_(args.model, attention_backend="elastic", additional_config={"elastic": {"router_path": str(router)}})
         at_start = _omega_observations() - before
         warm = observe.COUNTERS.warmup_routings - warm0
         outs = llm.generate(chat_prompts(llm.get_tokenizer())[:5], greedy(4), use_tqdm=False)
         served = _omega_observations() - before - at_start
         close_llm(llm)
-    record(name, at_start == 0 and served == len(outs), time.perf_counter() - t0, requests=len(outs),
+    verdict(record, name, at_start == 0 and served == len(outs), requests=len(outs),
            omega_observations=served, observations_at_startup=at_start, vllm_warmup_requests_routed=warm)  # fmt: skip
 
 
-def check_dense(name, t0):
+def test_dense(args, record):
     """Routed requests whose prompts fit in sink + window: every step with a prompt row runs vLLM's FlashAttention
     (the warm-up admitted it; elastic:dense_steps counts them), the router still decides every request, and the
     tokens are FLASH_ATTN's (up to a near-tie); with ELASTIC_VLLM_FLASH_DENSE=off the same prompts run the
@@ -427,14 +425,14 @@ def check_dense(name, t0):
     from elastic_vllm.vllm_plugin import observe
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    ref, _ = _generate("FLASH_ATTN")
+    ref, _ = _generate(args, "FLASH_ATTN")
     rows = {}
     with tempfile.TemporaryDirectory() as td:
-        cfg = {"elastic": {"router_path": str(needle_router(Path(td))), "sink": 128, "window": 512}}
+        cfg = {"elastic": {"router_path": str(needle_router(args, Path(td))), "sink": 128, "window": 512}}
         for dense in ("auto", "off"):
             os.environ["ELASTIC_VLLM_FLASH_DENSE"] = dense
             d0 = observe.COUNTERS.dense_steps
-            outs, _ = _generate("elastic", additional_config=cfg)
+            outs, _ = _generate(args, "elastic", additional_config=cfg)
             evs = events_by_request(outs)
             same = [_same_until_tie(r, o) for r, o in zip(ref, outs)]
             rows[dense] = {"dense_steps": observe.COUNTERS.dense_steps - d0, "routed": sum(e is not None for e in evs),
@@ -442,10 +440,11 @@ def check_dense(name, t0):
         os.environ.pop("ELASTIC_VLLM_FLASH_DENSE", None)
     ok = (rows["auto"]["dense_steps"] > 0 and rows["off"]["dense_steps"] == 0
           and all(r["routed"] == r["prompts"] == r["same_until_tie"] for r in rows.values()))  # fmt: skip
-    record(name, ok, time.perf_counter() - t0, **rows)
+    verdict(record, "dense", ok, **rows)
 
 
-def check_fa_split(name, t0):
+def test_fa_split(args, record):
+    name = "fa_split"
     """Hybrid prompt steps with their FA heads on vLLM's FlashAttention (admitted by the warm-up; counted in
     elastic:fa_split_steps): the shipped router on ~3K-token chat prompts, half of them at elastic_target_omega
     0.5 (FA and SA heads in every layer), against the same engine with ELASTIC_VLLM_FLASH_DENSE=off (the fused
@@ -460,11 +459,11 @@ def check_fa_split(name, t0):
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     state_mod.FA_SPLIT_MIN_SEQ = 0
     filler = " ".join(f"Line {i}: the archive lists item {i * 37 % 1000} in drawer {i % 17}." for i in range(220))
-    cfg = {"elastic": {"router_path": ARGS.trained_router, "sink": 128, "window": 512}}
+    cfg = {"elastic": {"router_path": args.trained_router, "sink": 128, "window": 512}}
     rows, runs = {}, {}
     for dense in ("auto", "off"):
         os.environ["ELASTIC_VLLM_FLASH_DENSE"] = dense
-        llm = llm_(ARGS.model, attention_backend="elastic", additional_config=cfg, enable_prefix_caching=False)
+        llm = llm_(args.model, attention_backend="elastic", additional_config=cfg, enable_prefix_caching=False)
         tok = llm.get_tokenizer()
         prompts = [tok.apply_chat_template([{"role": "user", "content": f"{filler}\n\n{c}"}],
                                            add_generation_prompt=True, tokenize=False) for c in CHAT]  # fmt: skip
@@ -487,68 +486,4 @@ def check_fa_split(name, t0):
     mixed = all(0 < m < 1 for m in rows["auto"]["omega_msr"][1::2] if m is not None)
     ok = (rows["auto"]["fa_split_steps"] > 0 and rows["off"]["fa_split_steps"] == 0 and same_routing and mixed
           and all(same_tokens) and rows["auto"]["routed"] == len(a_out))  # fmt: skip
-    record(name, ok, time.perf_counter() - t0, same_routing=same_routing, same_until_tie=sum(same_tokens), **rows)
-
-
-CHECKS = {
-    "all_fa": [("all_fa_v2", check_all_fa("v2")), ("all_fa_v1", check_all_fa("v1"))],
-    "dense": [("dense", check_dense)],
-    "fa_split": [("fa_split", check_fa_split)],
-    "graphs": [("graphs", check_graphs)],
-    "needle": [("needle", check_needle)],
-    "batch": [("batch", check_batch)],
-    "long": [("long", check_long)],
-    "trained": [("trained", check_trained)],
-    "metrics": [("metrics", check_metrics)],
-}
-
-
-def main() -> int:
-    global ARGS, ENV
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="SmolLM2-135M-Instruct folder (transformers format)")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_vllm.json"))
-    p.add_argument("--router", help="router folder for the needle and batch checks (default: constructed)")
-    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")
-    p.add_argument("--trained-router", default=str(ROOT / "router_weights" / "smollm2-135m-instruct"))
-    p.add_argument("--needle-n", type=int, default=10)
-    p.add_argument("--needle-len", type=int, default=2000)
-    p.add_argument("--long-len", type=int, default=131072)
-    p.add_argument("--only", help=argparse.SUPPRESS)  # internal: run one named check in this process
-    ARGS = p.parse_args()
-    bootstrap()
-    from elastic_vllm.vllm_plugin import plugin
-
-    plugin.register()  # in-process engines: no entry point needed
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    ENV = environment(("torch", "triton", "vllm"))
-    assert AttentionBackendEnum["ELASTIC"] is AttentionBackendEnum.CUSTOM
-    names = [(n, fn) for key in ARGS.checks.split(",") for n, fn in CHECKS[key.strip()]]
-    if ARGS.only:
-        run_check(ARGS.only, {n: fn for group in CHECKS.values() for n, fn in group}[ARGS.only])
-    else:
-        # one process per check: a second engine in one process tripped the CUDA caching allocator during
-        # graph capture ('use_count > 0 INTERNAL ASSERT', first H200 run) and left later checks a broken RNG
-        for n, _ in names:
-            part = Path(ARGS.out).with_suffix(f".{n}.json")
-            cmd = [sys.executable, __file__, "--model", ARGS.model, "--out", str(part), "--only", n,
-                   "--needle-n", str(ARGS.needle_n), "--needle-len", str(ARGS.needle_len), "--long-len", str(ARGS.long_len),
-                   "--trained-router", ARGS.trained_router]  # fmt: skip
-            if ARGS.router:
-                cmd += ["--router", ARGS.router]
-            t = time.perf_counter()
-            rc = subprocess.run(cmd).returncode
-            got = json.loads(part.read_text())["results"] if part.exists() else []
-            if not got:
-                got = [{"name": n, "ok": False, "s": round(time.perf_counter() - t, 1), "error": f"exit code {rc}"}]
-            RESULTS.extend(got)
-            part.unlink(missing_ok=True)
-            write_json(ARGS.out, {"env": ENV, "results": RESULTS})
-    failed = [r["name"] for r in RESULTS if not r["ok"]]
-    print("FAILED: " + ", ".join(failed) if failed else "all checks passed", flush=True)
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    verdict(record, name, ok, same_routing=same_routing, same_until_tie=sum(same_tokens), **rows)

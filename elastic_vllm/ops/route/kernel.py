@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, next_pow2, resolve_pdl
+from elastic_vllm.ops._common import INDEX_DTYPES, MODE_DTYPES, check_tensor, next_pow2, resolve_pdl
 
 FUSED_POOL_MAX = 512  # pooled positions up to which launch 1 pools by itself (boundary default: 200)
 POOL_PROGRAMS = 32  # token-parallel pooling programs per (request, head) otherwise
