@@ -230,7 +230,7 @@ class Server:
                 prompt=p.content,
                 max_tokens=1,
                 temperature=0,
-                extra_body={"prompt_logprobs": 0, **({"vllm_xargs": xargs} if xargs else {})},
+                extra_body={"prompt_logprobs": 0, "return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})},
             )
             res = {"pred": "", "loss": tail_loss(out.choices[0], p.loss_tokens, f"{p.family} #{p.index}")}
         else:
