@@ -14,15 +14,20 @@ Haystacks (none of them in the training mixture):
 | chat | generated IRC-style team chat (``[hh:mm] <nick> ...``) |
 
 Retrieval kinds: ``number`` (6 digits), ``word``, ``uuid``, ``identifier`` (a snake_case function name), ``kv`` (one
-of 16 key-value pairs), ``table`` (one cell of an 8-row table), ``multi`` (the 3 values of one key among 2 values of
-other keys, all asked). Each fact is written in the haystack's own style (a constant assigned in code, a YAML key,
-a log line, a chat message, a sentence); every answer value occurs exactly once in the prompt and differs from
-every distractor (checked when the prompt is built). The question comes after the context, or before it with
-only a generic instruction after.
+of ``KV_PAIRS`` key-value pairs), ``table`` (the port of one service in a ``TABLE_ROWS``-row table), ``multi`` (the
+``MULTI_ANSWERS`` values of one key, all asked). Each fact is written in the haystack's own style (a constant
+assigned in code, a YAML key, a log line, a chat message, a sentence); every answer value occurs exactly once in
+the prompt and differs from every distractor (checked when the prompt is built). The question comes after the
+context, or before it and again after it. The sizes are the calibration: with 16 pairs, 8-row tables, 3 values
+among distractors or a question asked only before the context, the dense demo model found 0-12% at ~1.2K tokens.
 
 ``CELLS`` is the design: 14 of the 42 (kind, haystack) cells, every kind in 2 haystacks and every haystack in 2-3
 kinds, both placements, including a 6-digit number in technical documentation and a value assigned once in
-Python source (where the shipped router sends ~95% of the heads to SA).
+Python source (where the shipped router sends ~95% of the heads to SA). Robust families: the haystack alone,
+scored by the loss of its last ``LOSS_TOKENS`` tokens.
+
+Why one file of ~500 lines: the six haystack generators and the seven fact styles are one table each; the prompt
+builder reads both.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """The generalization suite through the serving path: held-out families, per family, dense vs Elastic vs the
 static ranking at the same Omega_MSR (and any other server configuration), over vLLM's OpenAI API.
 
+Why one file of ~700 lines: one run (servers, samples, resume by configuration), its aggregation, targets and
+report read the same sample rows; split, each part would re-describe the row.
+
     elastic-vllm eval --suite generalization --out OUT [--per-cell 20] [--variants dense elastic static]
-        [--variant 'NAME={"fa_floor": 9}'] [--slice 'number/*'] [--resume]
+        [--variant 'NAME={"fa_floor": 0}'] [--slice 'number/*'] [--resume]
 
 Prompts: ``eval/heldout.py`` (14 sensitive retrieval cells, 6 robust continuation families). Each variant is a
 server configuration (``--additional-config '{"elastic": {...}}'`` over the demo settings sink 128, window 512)
@@ -11,7 +14,7 @@ plus per-request ``vllm_xargs``, each variant on a fresh ``elastic-vllm serve`` 
 | variant | server | request |
 |---|---|---|
 | dense | the default configuration, the shipped router | ``elastic_force: all-FA`` |
-| elastic | the default configuration, the shipped router | nothing: the router decides |
+| elastic | the default configuration (with the default fail-safe floor), the shipped router | nothing |
 | NAME (``--variant NAME=JSON``) | the default configuration updated with JSON | nothing |
 | static | a router whose margin z_FA - z_SA is each head's rank by static retrieval score | ``elastic_bias`` |
 
@@ -25,8 +28,9 @@ realized mean Omega_MSR on that family (the table), or on the whole mix of quali
 
 Requests go one at a time, greedy; each request's Omega_MSR is the change of the server's
 ``elastic:request_omega_msr`` sum over it (its count must grow by exactly one). Sensitive prompts score RULER's
-string_match_all over the answer values (found = all of them); robust ones the ROUGE-L of the continuation against
-the dense one. Dense runs first: a sensitive family counts (a target) only when dense finds >= 70% of its answers.
+string_match_all over the answer values (found = all of them); robust ones (the haystack alone, a completions
+request) the mean NLL of the prompt's last 128 tokens from ``prompt_logprobs``, compared with dense's on the same
+prompts (paired difference, tolerance ``LOSS_TOL``). Dense runs first: a sensitive family counts (a target) only when dense finds >= 70% of its answers.
 
 Writes OUT/results.json (provenance, per-family table, value over static, targets), results.md, samples.jsonl.gz
 and generalization.png. ``--resume`` keeps the samples of OUT/samples.jsonl.gz whose prompt and server
