@@ -296,6 +296,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(repeatable)",
     )
     g.add_argument("--per-cell", type=int, default=20, help="prompts per family")
+    g.add_argument(
+        "--robust-per-cell", type=int, help="prompts (scored stretches) per robust family (default: --per-cell)"
+    )
     g.add_argument("--slice", nargs="+", metavar="PATTERN", help="only the families matching these fnmatch patterns")
     g.add_argument("--prompt-tokens", type=int, default=1200, help="tokens of each prompt's user message (about)")
     g.add_argument(
@@ -307,9 +310,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--static-scores", help="a results.json whose static.retrieval_scores rank the heads (default: measure them)"
     )
     g.add_argument(
-        "--static-robust",
-        action="store_true",
-        help="also run the static ranking on the robust families (their Omega is the routed variant's by design)",
+        "--static-for",
+        nargs="+",
+        metavar="VARIANT",
+        help="the routed variants whose Omega_MSR the static ranking runs at (default: every one)",
     )
     g.add_argument(
         "--resume",

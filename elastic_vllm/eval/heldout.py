@@ -14,15 +14,20 @@ Haystacks (none of them in the training mixture):
 | chat | generated IRC-style team chat (``[hh:mm] <nick> ...``) |
 
 Retrieval kinds: ``number`` (6 digits), ``word``, ``uuid``, ``identifier`` (a snake_case function name), ``kv`` (one
-of 16 key-value pairs), ``table`` (one cell of an 8-row table), ``multi`` (the 3 values of one key among 2 values of
-other keys, all asked). Each fact is written in the haystack's own style (a constant assigned in code, a YAML key,
-a log line, a chat message, a sentence); every answer value occurs exactly once in the prompt and differs from
-every distractor (checked when the prompt is built). The question comes after the context, or before it with
-only a generic instruction after.
+of ``KV_PAIRS`` key-value pairs), ``table`` (the port of one service in a ``TABLE_ROWS``-row table), ``multi`` (the
+``MULTI_ANSWERS`` values of one key, all asked). Each fact is written in the haystack's own style (a constant
+assigned in code, a YAML key, a log line, a chat message, a sentence); every answer value occurs exactly once in
+the prompt and differs from every distractor (checked when the prompt is built). The question comes after the
+context, or before it and again after it. The sizes are the calibration: with 16 pairs, 8-row tables, 3 values
+among distractors or a question asked only before the context, the dense demo model found 0-12% at ~1.2K tokens.
 
 ``CELLS`` is the design: 14 of the 42 (kind, haystack) cells, every kind in 2 haystacks and every haystack in 2-3
 kinds, both placements, including a 6-digit number in technical documentation and a value assigned once in
-Python source (where the shipped router sends ~95% of the heads to SA).
+Python source (where the shipped router sends ~95% of the heads to SA). Robust families: the haystack alone,
+scored by the loss of its last ``LOSS_TOKENS`` tokens.
+
+Why one file of ~500 lines: the six haystack generators and the seven fact styles are one table each; the prompt
+builder reads both.
 """
 
 from __future__ import annotations
@@ -43,18 +48,18 @@ PLACEMENTS = ("after", "before")
 CELLS: tuple[tuple[str, str, str], ...] = (
     ("number", "docs", "after"),
     ("number", "code", "after"),
-    ("word", "prose", "before"),
-    ("word", "chat", "after"),
-    ("uuid", "logs", "after"),
-    ("uuid", "config", "before"),
     ("identifier", "code", "before"),
-    ("identifier", "docs", "after"),
-    ("kv", "config", "after"),
+    ("identifier", "config", "after"),
+    ("word", "prose", "before"),
+    ("word", "docs", "after"),
+    ("uuid", "config", "before"),
+    ("uuid", "prose", "after"),
     ("kv", "chat", "before"),
+    ("kv", "logs", "after"),
+    ("multi", "logs", "before"),
+    ("multi", "chat", "after"),
     ("table", "docs", "before"),
     ("table", "logs", "after"),
-    ("multi", "prose", "after"),
-    ("multi", "logs", "before"),
 )
 ROBUST_CELLS: tuple[tuple[str, str, str], ...] = tuple(("continue", h, "after") for h in HAYSTACKS)
 WHAT = {
@@ -67,8 +72,10 @@ WHAT = {
 }
 # new tokens: enough for the answer in a sentence that first repeats the key (a UUID is ~25 tokens, three 6-digit
 # values ~20; 24 cut "The constant ACCESS_CODE_..._VAULT is 16909" one digit short)
-MAX_TOKENS = {"number": 32, "word": 16, "uuid": 48, "identifier": 32, "kv": 24, "table": 24, "multi": 48}
-CONTINUE_TOKENS = 24
+MAX_TOKENS = {"number": 32, "word": 16, "uuid": 56, "identifier": 40, "kv": 24, "table": 24, "multi": 48}
+# robust families: the mean NLL of the prompt's last LOSS_TOKENS tokens given the rest (vLLM's prompt_logprobs)
+LOSS_TOKENS = 128
+KV_PAIRS, TABLE_ROWS, MULTI_ANSWERS, MULTI_OTHER = 8, 5, 2, 0
 
 W = (
     "amber anchor aspen basil birch bramble cedar clover copper coral cypress delta ember fennel fern flint "
@@ -307,19 +314,23 @@ def fact(hay: str, key: str, value: str, rng: random.Random, quote: bool = False
         return f"{snake(key).upper()} = {v}"
     if hay == "config":
         return f"{snake(key)}: {value}"
+    the = f"the {key}"
     if hay == "logs":
         s = rng.randrange(86400)
-        return f"{rng.choice(MONTHS)} {rng.randint(1, 28):2d} {s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d} ops-1 notes[77]: the {key} is {value}"
+        return f"{rng.choice(MONTHS)} {rng.randint(1, 28):2d} {s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d} ops-1 notes[77]: {the} is {value}"
     if hay == "chat":
-        return f"[{rng.randint(8, 17):02d}:{rng.randrange(60):02d}] <{rng.choice(NICKS)}> fyi, the {key} is {value}"
+        return f"[{rng.randint(8, 17):02d}:{rng.randrange(60):02d}] <{rng.choice(NICKS)}> fyi, {the} is {value}"
     if hay == "docs":
-        return f"Note: the {key} is {value}."
-    return f"The {key} is {value}."
+        return f"Note: {the} is {value}."
+    return f"{the[0].upper()}{the[1:]} is {value}."
 
 
-def ask_name(hay: str, key: str) -> str:
-    """How the question names the key: the constant in code, the YAML key in config, the words elsewhere."""
-    return {"code": f"the constant {snake(key).upper()}", "config": f"the key {snake(key)}"}.get(hay, f"the {key}")
+def ask_name(hay: str, key: str, quoted: bool = False) -> str:
+    """How the question names the key: the constant in code (the string assigned to it, for a quoted value: asked
+    for "the constant", the demo model explains the constant), the YAML key in config, the words elsewhere."""
+    if hay == "code":
+        return f"the string assigned to {snake(key).upper()}" if quoted else f"the constant {snake(key).upper()}"
+    return f"the key {snake(key)}" if hay == "config" else f"the {key}"
 
 
 def kv_block(hay: str, pairs: list[tuple[str, str]], rng: random.Random) -> list[str]:
@@ -337,13 +348,11 @@ def kv_block(hay: str, pairs: list[tuple[str, str]], rng: random.Random) -> list
     return ["Limits:"] + [f"{k}: {v}" for k, v in pairs]
 
 
-def table_block(hay: str, rows: list[tuple[str, str, str, str]]) -> list[str]:
-    head = ("host", "port", "owner", "status")
+def table_block(hay: str, rows: list[tuple[str, str, str]]) -> list[str]:
+    head = ("service", "port", "owner")
     if hay == "logs":  # a status report printed into the log, fixed-width
-        return ["inventory[12]: host            port   owner  status"] + [
-            f"inventory[12]: {h:<15} {p:<6} {o:<6} {s}" for h, p, o, s in rows
-        ]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|---|---|"]
+        return ["inventory[12]: service   port   owner"] + [f"inventory[12]: {h:<9} {p:<6} {o}" for h, p, o in rows]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|"]
     return lines + ["| " + " | ".join(r) + " |" for r in rows]
 
 
@@ -362,6 +371,7 @@ class Prompt:
     max_tokens: int
     depth: float  # where the (first) fact sits in the haystack, 0-1
     question: str = ""
+    loss_tokens: int = 0  # robust: the prompt's last tokens whose mean NLL is the score
 
     def record(self) -> dict:
         return dict(vars(self))
@@ -421,58 +431,58 @@ def make_prompt(kind: str, hay: str, placement: str, index: int, tokenizer, toke
     for _attempt in range(20):
         body = fill(hay, rng, tokens, count)
         # spread over prompts; past the sink and, at >= 1K tokens, further than the window (512) from the end
-        depth = 0.15 + 0.35 * ((index * 0.6180339887) % 1.0)
+        depth = 0.15 + 0.3 * ((index * 0.6180339887) % 1.0)
         at = int(depth * len(body))
         if hay == "code":  # a statement of its own: the next line that starts at column 0
             at = next((i for i in range(at, len(body)) if body[i][:1].strip()), at)
         answers: list[str] = []
         distractors: list[str] = []
-        if kind == "continue":
-            q = f"Continue the {what} below: write the lines that come next."
-            content = f"{q}\n\n" + SEP[hay].join(body)
-            return Prompt(fam, "robust", kind, hay, placement, index, content, [], [], CONTINUE_TOKENS, 1.0, q)
+        if kind == "continue":  # the haystack alone, as a completions prompt: its last LOSS_TOKENS are scored
+            content = SEP[hay].join(body)
+            return Prompt(fam, "robust", kind, hay, placement, index, content, [], [], 1, 1.0, loss_tokens=LOSS_TOKENS)
         taken = {w for u in body for w in re.findall(r"[a-z]+", u.lower())}
         a = rng.choice([w for w in W if w not in taken] or W)
         if kind in KEY:
             if kind == "multi" and hay in ("code", "config"):
                 raise ValueError(f"{fam}: multi needs a haystack where one key can take several values")
             phrase, fmt = KEY[kind]
+            if hay == "code" and kind != "number":
+                fmt = "Answer with the string only."
             key = phrase.format(a=a)
-            name = ask_name(hay, key)
+            name = ask_name(hay, key, quoted=kind != "number")
             if kind == "multi":
                 b = rng.choice([w for w in W if w not in (a, *taken)] or [w for w in W if w != a])
                 other = phrase.format(a=b)
-                values = [_value(kind, rng) for _ in range(5)]
-                answers, distractors = values[:3], values[3:]
+                values = [_value(kind, rng) for _ in range(MULTI_ANSWERS + MULTI_OTHER)]
+                answers, distractors = values[:MULTI_ANSWERS], values[MULTI_ANSWERS:]
                 facts = [(key, v) for v in answers] + [(other, v) for v in distractors]
                 rng.shuffle(facts)
-                spots = sorted(rng.sample(range(int(0.1 * len(body)), max(int(0.1 * len(body)) + 6, at + 6)), 5))
+                lo, nf = int(0.1 * len(body)), len(facts)
+                spots = sorted(rng.sample(range(lo, max(lo + nf + 1, at + nf + 1)), nf))
                 for (k, v), s in zip(reversed(facts), reversed(spots)):
                     body.insert(s, fact(hay, k, v, rng))
-                q = f"List every {key} given in the {what}."
+                q = f"What are the {MULTI_ANSWERS} numbers given as the {key}? Answer with the numbers only."
             else:
                 value = _value(kind, rng)
                 answers = [value]
                 body.insert(at, fact(hay, key, value, rng, quote=kind != "number"))
                 q = f"What is {name}? {fmt}"
         elif kind == "kv":
-            keys = rng.sample([f"{x}_{y}" for x in W for y in ("limit", "quota", "burst", "window")], 16)
-            vals = rng.sample(range(1000, 10000), 16)
+            keys = rng.sample([f"{x}_{y}" for x in W for y in ("limit", "quota", "burst", "window")], KV_PAIRS)
+            vals = rng.sample(range(1000, 10000), KV_PAIRS)
             pairs = [(k, str(v)) for k, v in zip(keys, vals)]
-            pick = rng.randrange(16)
+            pick = rng.randrange(KV_PAIRS)
             answers, distractors = [pairs[pick][1]], [v for i, (_, v) in enumerate(pairs) if i != pick]
             body[at:at] = kv_block(hay, pairs, rng)
-            q = f"In the limits listed in the {what}, what value is given for {keys[pick]}? Answer with the number only."
+            q = f"In the limits, what is the value of {keys[pick]}? Answer with the number only."
         elif kind == "table":
-            hosts = rng.sample([f"{w}-{k}" for w in W for k in range(1, 10)], 8)
-            ports = rng.sample(range(2000, 10000), 8)
-            rows = [
-                (h, str(p), rng.choice(NICKS), rng.choice(("up", "down", "draining"))) for h, p in zip(hosts, ports)
-            ]
-            pick = rng.randrange(8)
+            hosts = rng.sample([w for w in W if w not in taken] or W, TABLE_ROWS)
+            ports = rng.sample(range(2000, 10000), TABLE_ROWS)
+            rows = [(h, str(p), rng.choice(NICKS)) for h, p in zip(hosts, ports)]
+            pick = rng.randrange(TABLE_ROWS)
             answers, distractors = [rows[pick][1]], [r[1] for i, r in enumerate(rows) if i != pick]
             body[at:at] = table_block(hay, rows)
-            q = f"In the host table of the {what}, what is the port of {hosts[pick]}? Answer with the number only."
+            q = f"In the table of services, what is the port of the {hosts[pick]} service? Answer with the number only."
         else:
             raise ValueError(f"unknown retrieval kind {kind!r}; known: {', '.join(KINDS)}")
         context = SEP[hay].join(body)
@@ -481,8 +491,8 @@ def make_prompt(kind: str, hay: str, placement: str, index: int, tokenizer, toke
         intro = f"Below is a {what}."
         if placement == "after":
             content = f"{intro}\n\n{context}\n\n{q}"
-        else:
-            content = f"Question: {q}\n\n{intro}\n\n{context}\n\nAnswer the question asked before the {what}."
+        else:  # the question first, and again after the context
+            content = f"{q}\n\n{intro}\n\n{context}\n\n{q}"
         return Prompt(
             fam, "sensitive", kind, hay, placement, index, content, answers, distractors, MAX_TOKENS[kind], depth, q
         )
@@ -493,5 +503,7 @@ def design_cells(include_robust: bool = True) -> list[tuple[str, str, str]]:
     return list(CELLS) + (list(ROBUST_CELLS) if include_robust else [])
 
 
-def build_prompts(cells, per_cell: int, tokenizer, tokens: int, seed: int = 0) -> list[Prompt]:
-    return [make_prompt(k, h, p, i, tokenizer, tokens, seed) for k, h, p in cells for i in range(per_cell)]
+def build_prompts(cells, per_cell: int, tokenizer, tokens: int, seed: int = 0, robust_per_cell: int | None = None):
+    """``per_cell`` prompts of every sensitive family, ``robust_per_cell`` (default the same) of every robust one."""
+    n = {True: per_cell, False: per_cell if robust_per_cell is None else robust_per_cell}
+    return [make_prompt(k, h, p, i, tokenizer, tokens, seed) for k, h, p in cells for i in range(n[k != "continue"])]

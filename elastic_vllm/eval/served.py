@@ -1,8 +1,11 @@
 """The generalization suite through the serving path: held-out families, per family, dense vs Elastic vs the
 static ranking at the same Omega_MSR (and any other server configuration), over vLLM's OpenAI API.
 
+Why one file of ~700 lines: one run (servers, samples, resume by configuration), its aggregation, targets and
+report read the same sample rows; split, each part would re-describe the row.
+
     elastic-vllm eval --suite generalization --out OUT [--per-cell 20] [--variants dense elastic static]
-        [--variant 'NAME={"fa_floor": 9}'] [--slice 'number/*'] [--resume]
+        [--variant 'NAME={"fa_floor": 0}'] [--slice 'number/*'] [--resume]
 
 Prompts: ``eval/heldout.py`` (14 sensitive retrieval cells, 6 robust continuation families). Each variant is a
 server configuration (``--additional-config '{"elastic": {...}}'`` over the demo settings sink 128, window 512)
@@ -11,7 +14,7 @@ plus per-request ``vllm_xargs``, each variant on a fresh ``elastic-vllm serve`` 
 | variant | server | request |
 |---|---|---|
 | dense | the default configuration, the shipped router | ``elastic_force: all-FA`` |
-| elastic | the default configuration, the shipped router | nothing: the router decides |
+| elastic | the default configuration (with the default fail-safe floor), the shipped router | nothing |
 | NAME (``--variant NAME=JSON``) | the default configuration updated with JSON | nothing |
 | static | a router whose margin z_FA - z_SA is each head's rank by static retrieval score | ``elastic_bias`` |
 
@@ -25,8 +28,9 @@ realized mean Omega_MSR on that family (the table), or on the whole mix of quali
 
 Requests go one at a time, greedy; each request's Omega_MSR is the change of the server's
 ``elastic:request_omega_msr`` sum over it (its count must grow by exactly one). Sensitive prompts score RULER's
-string_match_all over the answer values (found = all of them); robust ones the ROUGE-L of the continuation against
-the dense one. Dense runs first: a sensitive family counts (a target) only when dense finds >= 70% of its answers.
+string_match_all over the answer values (found = all of them); robust ones (the haystack alone, a completions
+request) the mean NLL of the prompt's last 128 tokens from ``prompt_logprobs``, compared with dense's on the same
+prompts (paired difference, tolerance ``LOSS_TOL``). Dense runs first: a sensitive family counts (a target) only when dense finds >= 70% of its answers.
 
 Writes OUT/results.json (provenance, per-family table, value over static, targets), results.md, samples.jsonl.gz
 and generalization.png. ``--resume`` keeps the samples of OUT/samples.jsonl.gz whose prompt and server
@@ -43,14 +47,17 @@ import math
 import shutil
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from elastic_vllm.config import FA_FLOOR_DEFAULT
 from elastic_vllm.eval import heldout as H
 from elastic_vllm.eval import metrics as M
 
 MIN_DENSE = 70.0  # a sensitive family counts when dense finds at least this share (%) of its answers
 TARGET_KEEP, TARGET_FLOOR, TARGET_ROBUST_MSR, TARGET_VALUE = 0.95, 0.90, 0.6, 5.0
+# robust tolerance: a variant's mean continuation loss at most this many nats above dense's on a family
+LOSS_TOL = 0.05
 BUILTIN = ("dense", "elastic", "static")
 SERVED_NAME = "smollm2"
 CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", "256M", "--max-num-seqs", "1"]
@@ -62,9 +69,17 @@ class Variant:
     server: dict = field(default_factory=dict)  # ElasticConfig fields over the base configuration
     xargs: dict = field(default_factory=dict)  # vllm_xargs of every request
     label: str = ""
+    base: dict = field(default_factory=dict)  # the run's base configuration (sink, window, router_path)
+
+    def config(self) -> dict:
+        """The server's elastic configuration: base, then the variant's fields."""
+        return {**self.base, **self.server}
 
     def key(self) -> str:
-        return json.dumps({"server": self.server, "xargs": self.xargs}, sort_keys=True)
+        """What makes a sample: the configuration as served, with the default fa_floor written out unless every
+        request forces a mode (a force overrides the floor), so a changed default is a changed configuration."""
+        cfg = self.config() if "elastic_force" in self.xargs else {"fa_floor": FA_FLOOR_DEFAULT, **self.config()}
+        return json.dumps({"server": cfg, "xargs": self.xargs}, sort_keys=True)
 
 
 def parse_variant(spec: str) -> Variant:
@@ -165,10 +180,29 @@ def prompt_hash(p: H.Prompt) -> str:
     return hashlib.sha256(json.dumps([p.content, p.answers, p.max_tokens]).encode()).hexdigest()[:16]
 
 
-def score(p: H.Prompt, pred: str, dense_pred: str | None) -> float:
+def tail_loss(choice, n: int, what: str) -> float:
+    """Mean NLL (nats) of the prompt's last ``n`` tokens from a completions choice with ``prompt_logprobs``: each
+    position's entry is {token id: {"logprob": ...}} and holds the prompt's own token (``prompt_token_ids``)."""
+    extra = choice.model_extra or {}
+    lps, ids = extra.get("prompt_logprobs"), extra.get("prompt_token_ids")
+    if not lps or not ids or len(lps) != len(ids):
+        raise RuntimeError(f"{what}: the server returned no prompt_logprobs / prompt_token_ids for the prompt")
+    if len(ids) <= n:
+        raise RuntimeError(f"{what}: the prompt has {len(ids)} tokens, not more than the {n} to score")
+    nll = []
+    for lp, tid in zip(lps[-n:], ids[-n:]):
+        e = (lp or {}).get(str(tid))
+        if e is None:
+            raise RuntimeError(f"{what}: prompt_logprobs lack the prompt's own token {tid}")
+        nll.append(-float(e["logprob"]))
+    return sum(nll) / n
+
+
+def score(p: H.Prompt, res: dict) -> float:
+    """Sensitive: RULER's string_match_all over the answer values (%). Robust: the mean NLL of the scored tail."""
     if p.category == "sensitive":
-        return M.string_match_all(M.postprocess_pred(pred), p.answers)
-    return M.rouge_l(pred, dense_pred) if dense_pred is not None else float("nan")
+        return M.string_match_all(M.postprocess_pred(res["pred"]), p.answers)
+    return res["loss"]
 
 
 class Server:
@@ -194,23 +228,29 @@ class Server:
     def ask(self, p: H.Prompt, xargs: dict) -> dict:
         s0, n0 = self._msr()
         t0 = time.perf_counter()
-        out = self.client.chat.completions.create(
-            model=SERVED_NAME,
-            messages=[{"role": "user", "content": p.content}],
-            max_tokens=p.max_tokens,
-            temperature=0,
-            extra_body={"vllm_xargs": xargs} if xargs else None,
-        )
+        if p.loss_tokens:  # robust: the completions API scores the prompt itself (prompt_logprobs), 1 new token
+            out = self.client.completions.create(
+                model=SERVED_NAME,
+                prompt=p.content,
+                max_tokens=1,
+                temperature=0,
+                extra_body={"prompt_logprobs": 0, "return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})},
+            )
+            res = {"pred": "", "loss": tail_loss(out.choices[0], p.loss_tokens, f"{p.family} #{p.index}")}
+        else:
+            out = self.client.chat.completions.create(
+                model=SERVED_NAME,
+                messages=[{"role": "user", "content": p.content}],
+                max_tokens=p.max_tokens,
+                temperature=0,
+                extra_body={"vllm_xargs": xargs} if xargs else None,
+            )
+            res = {"pred": out.choices[0].message.content or ""}
         secs = time.perf_counter() - t0
         s1, n1 = self._msr()
         if n1 - n0 != 1:
             raise RuntimeError(f"{p.family} #{p.index}: /metrics recorded {n1 - n0:g} routings for one request")
-        return {
-            "pred": out.choices[0].message.content or "",
-            "prompt_tokens": out.usage.prompt_tokens,
-            "omega_msr": s1 - s0,
-            "seconds": round(secs, 2),
-        }
+        return res | {"prompt_tokens": out.usage.prompt_tokens, "omega_msr": s1 - s0, "seconds": round(secs, 2)}
 
     def stop(self) -> None:
         self.proc.stop()
@@ -250,11 +290,11 @@ class Samples:
         self.resumed = len(self.rows)
 
     @staticmethod
-    def _key(r: dict) -> tuple:
-        return (r["variant"], r["variant_key"], r["family"], r["index"], r["prompt_hash"], r.get("n_sa"))
+    def _key(r: dict) -> tuple:  # the configuration, not the variant's name: a renamed variant keeps its samples
+        return (r["variant_key"], r["family"], r["index"], r["prompt_hash"], r.get("n_sa"))
 
     def get(self, v: Variant, p: H.Prompt, n_sa: int | None = None) -> dict | None:
-        return self.rows.get((v.name, v.key(), p.family, p.index, prompt_hash(p), n_sa))
+        return self.rows.get((v.key(), p.family, p.index, prompt_hash(p), n_sa))
 
     def add(self, r: dict) -> None:
         self.rows[self._key(r)] = r
@@ -277,13 +317,14 @@ def run(opts, argv: list[str], log=print) -> dict:
     if "dense" not in names:
         raise ValueError("--variants must include dense: it qualifies the families and is the robust reference")
     cells = select_cells(opts.slice)
-    prompts = H.build_prompts(cells, opts.per_cell, tok, opts.prompt_tokens, opts.seed)
+    prompts = H.build_prompts(cells, opts.per_cell, tok, opts.prompt_tokens, opts.seed, opts.robust_per_cell)
     base = {
         "sink": opts.sink if opts.sink is not None else 128,
         "window": opts.window if opts.window is not None else 512,
     }
     if opts.router:
         base["router_path"] = str(Path(opts.router).resolve())
+    vs = [replace(v, base=base) for v in vs]
     args = ["--max-model-len", str(opts.max_model_len)] + (CPU_ARGS if opts.device == "cpu" else [])
     if opts.dtype and opts.device != "cpu":
         args += ["--dtype", opts.dtype]
@@ -294,7 +335,6 @@ def run(opts, argv: list[str], log=print) -> dict:
     by_fam: dict[str, list[H.Prompt]] = defaultdict(list)
     for p in prompts:
         by_fam[p.family].append(p)
-    dense_pred = {}
     skipped: list[str] = []  # dense prompts of families that can no longer reach --min-dense
     earlier = out / "results.json"
     earlier_variants = json.loads(earlier.read_text()).get("variants", {}) if opts.resume and earlier.is_file() else {}
@@ -303,8 +343,7 @@ def run(opts, argv: list[str], log=print) -> dict:
         r = {"variant": v.name, "variant_key": v.key(), "family": p.family, "category": p.category, "kind": p.kind,
              "haystack": p.haystack, "placement": p.placement, "index": p.index, "prompt_hash": prompt_hash(p),
              "answers": p.answers, "n_sa": n_sa, **res}  # fmt: skip
-        ref = r["pred"] if v.name == "dense" else dense_pred.get((p.family, p.index))
-        r["score"] = score(p, r["pred"], ref)
+        r["score"] = score(p, res)
         r["found"] = bool(r["score"] == 100.0) if p.category == "sensitive" else None
         samples.add(r)
         return r
@@ -317,9 +356,11 @@ def run(opts, argv: list[str], log=print) -> dict:
 
     def run_on(v: Variant, todo: list[tuple[H.Prompt, int | None, dict]], elastic_cfg: dict) -> None:
         todo = [(p, n, x) for p, n, x in todo if samples.get(v, p, n) is None]
-        servers[v.name] = {"elastic": elastic_cfg, "xargs": v.xargs}
+        servers[v.name] = {"elastic": elastic_cfg, "xargs": v.xargs, "key": v.key()}
         if not todo:  # every sample resumed: the command of the run that made them
-            servers[v.name]["command"] = earlier_variants.get(v.name, {}).get("command")
+            # the server that made them: by configuration (a variant may have been renamed, or be the default now)
+            made = [e for e in earlier_variants.values() if e.get("key") == v.key()]
+            servers[v.name]["command"] = made[0].get("command") if made else None
             return
         log(f"[{time.perf_counter() - t_start:7.0f}s] {v.name}: starting a server for {len(todo)} requests")
         srv = Server(model, elastic_cfg, args, out / f"serve-{v.name}.log")
@@ -331,9 +372,7 @@ def run(opts, argv: list[str], log=print) -> dict:
                     skipped.append(f"dense {p.family} #{p.index}")
                     done += 1
                     continue
-                r = record(v, p, srv.ask(p, xargs), n_sa)
-                if v.name == "dense":
-                    dense_pred[(p.family, p.index)] = r["pred"]
+                record(v, p, srv.ask(p, xargs), n_sa)
                 done += 1
                 if done % 10 == 0 or done == len(todo):
                     eta = (time.perf_counter() - t0) / done * (len(todo) - done)
@@ -344,11 +383,7 @@ def run(opts, argv: list[str], log=print) -> dict:
 
     # dense first: it qualifies the sensitive families and is the robust reference
     dense = vs[0]
-    run_on(dense, [(p, None, dense.xargs) for p in prompts], base)
-    for p in prompts:
-        got = samples.get(dense, p)
-        if got is not None:
-            dense_pred[(p.family, p.index)] = got["pred"]
+    run_on(dense, [(p, None, dense.xargs) for p in prompts], dense.config())
     dense_found = {f: 100 * _mean([(samples.get(dense, p) or {}).get("found") for p in ps]) for f, ps in by_fam.items()
                    if ps[0].category == "sensitive"}  # fmt: skip
     dense_n = {f: sum(samples.get(dense, p) is not None for p in ps) for f, ps in by_fam.items()}
@@ -359,7 +394,7 @@ def run(opts, argv: list[str], log=print) -> dict:
 
     routed = [v for v in vs[1:]]
     for v in routed:
-        run_on(v, [(p, None, v.xargs) for p in mix], {**base, **v.server})
+        run_on(v, [(p, None, v.xargs) for p in mix], v.config())
 
     static_info: dict = {}
     if "static" in names:
@@ -385,10 +420,15 @@ def run(opts, argv: list[str], log=print) -> dict:
         heads = scores.numel()
         router = static_router(model, scores, out / "static-router")
         ranking = hashlib.sha256(json.dumps(scores.tolist()).encode()).hexdigest()[:16]
-        static = Variant("static", {"static_ranking": ranking}, {}, "static ranking at the same Omega_MSR")
+        # fa_floor 0: the static router has no ranking of its own, and its ranking already is the retrieval one
+        static = Variant("static", {"static_ranking": ranking, "fa_floor": 0}, {}, "static ranking", base=base)
         todo: dict[tuple, tuple] = {}
         plan: dict[str, dict] = {}
-        for v in routed:  # per family at v's Omega there, and over the whole mix at v's mean Omega
+        static_for = opts.static_for or [v.name for v in routed]
+        unknown = sorted(set(static_for) - {v.name for v in routed})
+        if unknown:
+            raise ValueError(f"--static-for {unknown}: not a routed variant of this run ({[v.name for v in routed]})")
+        for v in [v for v in routed if v.name in static_for]:  # at v's Omega per family, and over the whole mix
             om = {f: _mean([samples.get(v, p)["omega_msr"] for p in ps]) for f, ps in by_fam.items()
                   if any(p in mix for p in ps)}  # fmt: skip
             om_mix = _mean([samples.get(v, p)["omega_msr"] for p in mix])
@@ -396,16 +436,15 @@ def run(opts, argv: list[str], log=print) -> dict:
             plan[v.name] = {"omega_by_family": om, "n_sa_by_family": {f: round(o * heads) for f, o in om.items()},
                             "omega_mix": om_mix, "n_sa_mix": n_mix}  # fmt: skip
             for p in mix:
-                if p.category == "robust" and not opts.static_robust:
-                    continue
                 n = round(om[p.family] * heads)
                 todo[(p.family, p.index, n)] = (p, n, {"elastic_bias": static_bias(n)})
                 if p.category == "sensitive":
                     todo[(p.family, p.index, n_mix)] = (p, n_mix, {"elastic_bias": static_bias(n_mix)})
         run_on(static, sorted(todo.values(), key=lambda t: (t[1], t[0].family, t[0].index)),
-               {**base, "router_path": str(router.resolve())})  # fmt: skip
+               {**base, "router_path": str(router.resolve()), "fa_floor": 0})  # fmt: skip
         servers["static"]["elastic"]["router_path"] = "OUT/static-router (static_router: the ranking below)"
-        static_info = {"retrieval_scores": scores.tolist(), "scores_from": where, "heads": heads, "by_variant": plan}
+        static_info = {"retrieval_scores": scores.tolist(), "scores_from": where, "heads": heads, "by_variant": plan,
+                       "variant_key": static.key()}  # fmt: skip
 
     res = {
         "kind": "elastic-vllm generalization (served)",
@@ -414,6 +453,8 @@ def run(opts, argv: list[str], log=print) -> dict:
         "router": str(opts.router) if opts.router else "shipped (router_weights/smollm2-135m-instruct)",
         "options": {
             "per_cell": opts.per_cell,
+            "robust_per_cell": opts.robust_per_cell or opts.per_cell,
+            "static_for": opts.static_for,
             "prompt_tokens": opts.prompt_tokens,
             "seed": opts.seed,
             "min_dense": opts.min_dense,
@@ -435,6 +476,14 @@ def run(opts, argv: list[str], log=print) -> dict:
 def _mean(xs) -> float:
     xs = [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _se(xs: list[float]) -> float:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); NaN under 2 values."""
+    if len(xs) < 2:
+        return float("nan")
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
 def _provenance(argv: list[str]) -> dict:
@@ -459,17 +508,16 @@ def _provenance(argv: list[str]) -> dict:
 def aggregate(rows: list[dict], prompts: list[H.Prompt], vs: list[Variant], static: dict, qualified: set,
               dense_found: dict) -> dict:  # fmt: skip
     """families[name] = {category, kind, haystack, placement, n, qualified, dense_found, variants: {variant:
-    {n, found, score, omega_msr}}}; the static ranking appears per variant v it matches as ``static@v`` (v's
-    per-family Omega) and ``static@v-mix``; value over static and targets per routed variant."""
+    {n, found, score, omega_msr[, loss, loss_delta, loss_delta_se]}}}; a sample belongs to a variant by its
+    configuration (``Variant.key``); the static ranking appears per variant v it matches as ``static@v`` (v's
+    per-family Omega) and ``static@v-mix``; value over static and targets per routed variant. Robust: ``loss``
+    the mean NLL of the scored tails, ``loss_delta`` its mean paired difference to dense's (same prompts), with
+    its standard error."""
     keys = {(p.family, p.index): prompt_hash(p) for p in prompts}
-    cur = {v.name: v.key() for v in vs}
-    by: dict = defaultdict(list)  # (family, variant, n_sa or None) -> rows
+    by: dict = defaultdict(dict)  # (family, variant key, n_sa) -> {index: row}
     for r in rows:
-        if keys.get((r["family"], r["index"])) != r["prompt_hash"]:
-            continue
-        if r["variant"] != "static" and cur.get(r["variant"]) != r["variant_key"]:
-            continue
-        by[(r["family"], r["variant"], r["n_sa"] if r["variant"] == "static" else None)].append(r)
+        if keys.get((r["family"], r["index"])) == r["prompt_hash"]:
+            by[(r["family"], r["variant_key"], r["n_sa"])][r["index"]] = r
     fams: dict = {}
     for p in prompts:
         if p.family in fams:
@@ -478,25 +526,31 @@ def aggregate(rows: list[dict], prompts: list[H.Prompt], vs: list[Variant], stat
                           "qualified": p.family in qualified if p.category == "sensitive" else True,
                           "dense_found": dense_found.get(p.family), "variants": {}}  # fmt: skip
 
-    def cell(xs: list[dict]) -> dict:
-        return {"n": len(xs), "score": _mean([x["score"] for x in xs]),
-                "found": 100 * _mean([x["found"] for x in xs]) if xs and xs[0]["found"] is not None else None,
-                "omega_msr": _mean([x["omega_msr"] for x in xs])}  # fmt: skip
+    def cell(xs: dict, ref: dict) -> dict:
+        rs = list(xs.values())
+        c = {"n": len(rs), "score": _mean([x["score"] for x in rs]),
+             "found": 100 * _mean([x["found"] for x in rs]) if rs[0]["found"] is not None else None,
+             "omega_msr": _mean([x["omega_msr"] for x in rs])}  # fmt: skip
+        if rs[0].get("loss") is not None:
+            d = [xs[i]["loss"] - ref[i]["loss"] for i in sorted(xs) if i in ref]
+            c |= {"loss": _mean([x["loss"] for x in rs]), "loss_delta": _mean(d), "loss_delta_se": _se(d)}
+        return c
 
+    static_key = static.get("variant_key")
     for f, d in fams.items():
+        ref = by.get((f, vs[0].key(), None), {})  # dense
         for v in vs:
-            if by.get((f, v.name, None)):
-                d["variants"][v.name] = cell(by[(f, v.name, None)])
+            if by.get((f, v.key(), None)):
+                d["variants"][v.name] = cell(by[(f, v.key(), None)], ref)
         for vname, plan in static.get("by_variant", {}).items():
             n = plan["n_sa_by_family"].get(f)
-            if n is not None and by.get((f, "static", n)):
-                d["variants"][f"static@{vname}"] = cell(by[(f, "static", n)]) | {"n_sa": n}
-            if d["category"] == "sensitive" and by.get((f, "static", plan["n_sa_mix"])):
-                d["variants"][f"static@{vname}-mix"] = cell(by[(f, "static", plan["n_sa_mix"])]) | {
+            if n is not None and by.get((f, static_key, n)):
+                d["variants"][f"static@{vname}"] = cell(by[(f, static_key, n)], ref) | {"n_sa": n}
+            if d["category"] == "sensitive" and by.get((f, static_key, plan["n_sa_mix"])):
+                d["variants"][f"static@{vname}-mix"] = cell(by[(f, static_key, plan["n_sa_mix"])], ref) | {
                     "n_sa": plan["n_sa_mix"]
                 }
-        n_fam = max((c["n"] for c in d["variants"].values()), default=0)
-        d["n"] = n_fam
+        d["n"] = max((c["n"] for c in d["variants"].values()), default=0)
     out = {"families": fams, "value_over_static": {}, "targets": {}}
     sens = [f for f, d in fams.items() if d["category"] == "sensitive" and d["qualified"]]
     rob = [f for f, d in fams.items() if d["category"] == "robust"]
@@ -528,14 +582,19 @@ def targets(fams: dict, v: str, sens: list[str], rob: list[str], val: dict) -> d
         if keep < TARGET_FLOOR:
             miss.append(f"below {100 * TARGET_FLOOR:.0f}% by {100 * (TARGET_FLOOR - keep):.0f} points")
         per[f] = {"keep": keep, "met": not miss, "miss": "; ".join(miss)}
-    rob_msr = _mean([fams[f]["variants"][v]["omega_msr"] for f in rob if v in fams[f]["variants"]])
-    rob_score = _mean([fams[f]["variants"][v]["score"] for f in rob if v in fams[f]["variants"]])
+    mine = {f: fams[f]["variants"][v] for f in rob if v in fams[f]["variants"]}
+    rob_msr = _mean([c["omega_msr"] for c in mine.values()])
+    loss = {f: c.get("loss_delta") for f, c in mine.items()}
+    worse = {f: x for f, x in loss.items() if not x <= LOSS_TOL}  # NaN (no dense reference) counts as missed
     return {
         "sensitive": per,
         "sensitive_met": sum(x["met"] for x in per.values()),
         "robust_omega_msr": rob_msr,
-        "robust_score": rob_score,
         "robust_met": bool(rob_msr >= TARGET_ROBUST_MSR),
+        "robust_loss_delta": loss,
+        "robust_loss_delta_mean": _mean(list(loss.values())),
+        "robust_loss_met": bool(mine) and not worse,
+        "robust_loss_missed": sorted(worse),
         "value_met": val.get("met"),
     }
 
@@ -575,27 +634,36 @@ def columns(res: dict) -> list[tuple[str, str]]:
     return cols
 
 
-def family_table(res: dict) -> str:
-    """The per-family table (the docs show it): found % (sensitive) or ROUGE-L vs dense (robust) / Omega_MSR."""
+def family_table(res: dict, target: str = "elastic") -> str:
+    """The per-family table (the docs show it): found % (sensitive) or mean continuation loss (robust: dense in
+    nats, the others as the difference to dense) / Omega_MSR; the last column checks ``target``'s targets."""
     cols = columns(res)
-    lines = ["| family | n | " + " | ".join(c for c, _ in cols) + " | target (elastic) |",
+    lines = ["| family | n | " + " | ".join(c for c, _ in cols) + f" | target ({target}) |",
              "|---|---|" + "---|" * len(cols) + "---|"]  # fmt: skip
-    tgt = res["targets"].get("elastic", {}).get("sensitive", {})
+    tgt = res["targets"].get(target, {})
     fams = res["families"]
     order = sorted(fams, key=lambda f: (fams[f]["category"] != "sensitive", not fams[f]["qualified"], f))
     for f in order:
         d = fams[f]
-        k = "found" if d["category"] == "sensitive" else "score"
         cells = []
         for _, key in cols:
             c = d["variants"].get(key)
-            cells.append("-" if c is None else f"{_f(c[k])} / {_f(c['omega_msr'], 2)}")
+            if c is None:
+                cells.append("-")
+            elif d["category"] == "sensitive":
+                cells.append(f"{_f(c['found'])} / {_f(c['omega_msr'], 2)}")
+            elif key == "dense":
+                cells.append(f"{_f(c['loss'], 3)} / {_f(c['omega_msr'], 2)}")
+            else:
+                cells.append(f"{c['loss_delta']:+.3f} / {_f(c['omega_msr'], 2)}")
         if d["category"] == "robust":
-            verdict = "robust"
+            x = tgt.get("robust_loss_delta", {}).get(f)
+            verdict = ("-" if x is None else f"within {LOSS_TOL:g} nats" if x <= LOSS_TOL
+                       else f"MISSED: {x:+.3f} nats > {LOSS_TOL:g}")  # fmt: skip
         elif not d["qualified"]:
             verdict = f"not counted: dense {_f(d['dense_found'])}% < {MIN_DENSE:g}%"
         else:
-            t = tgt.get(f)
+            t = tgt.get("sensitive", {}).get(f)
             verdict = "-" if t is None else ("met" if t["met"] else f"MISSED: {t['miss']}")
         lines.append(f"| {f} | {d['n']} | " + " | ".join(cells) + f" | {verdict} |")
     return "\n".join(lines) + "\n"
@@ -606,10 +674,12 @@ def summary_lines(res: dict) -> list[str]:
     for v, val in res["value_over_static"].items():
         t = res["targets"][v]
         n_s = len(t["sensitive"])
+        missed = t.get("robust_loss_missed") or []
         out.append(
             f"- {v}: sensitive targets met in {t['sensitive_met']} of {n_s} families; robust mean Omega_MSR "
             f"{_f(t['robust_omega_msr'], 2)} (target >= {TARGET_ROBUST_MSR}: {'met' if t['robust_met'] else 'missed'}), "
-            f"ROUGE-L vs dense {_f(t['robust_score'])}"
+            f"continuation loss {t['robust_loss_delta_mean']:+.3f} nats vs dense on average (tolerance {LOSS_TOL:g} "
+            f"per family: {'met' if t['robust_loss_met'] else 'missed on ' + ', '.join(missed)})"
         )
         if val:
             gap = "met" if val["met"] else f"missed by {TARGET_VALUE - val['value']:.1f}"
@@ -632,9 +702,10 @@ def markdown(res: dict) -> str:
         f"({p.get('processor')}, {p['host_cpu_count']} CPUs), commit {p['git_commit'][:12]}"
         f"{' (dirty)' if p['git_dirty'] else ''}. Command: `{p['command']}`",
         "",
-        "Cells: found % (sensitive: every answer value in the reply) or ROUGE-L against dense (robust: continuation) "
-        f"/ mean Omega_MSR, over n prompts of ~{res['options']['prompt_tokens']} tokens. Static: heads ranked by "
-        "retrieval score, the lowest SA, as many as the routed variant's mean Omega_MSR on the family.",
+        "Cells: found % (sensitive: every answer value in the reply) / mean Omega_MSR, over n prompts of "
+        f"~{res['options']['prompt_tokens']} tokens; robust: the mean NLL (nats) of each prompt's last "
+        f"{H.LOSS_TOKENS} tokens, dense's, and the others' difference to it on the same prompts. Static: heads ranked "
+        "by retrieval score, the lowest SA, as many as the routed variant's mean Omega_MSR on the family.",
         "",
         family_table(res),
         *summary_lines(res),
@@ -645,7 +716,8 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> Path:
-    """Per family: found % / ROUGE-L of every column (bars) and their Omega_MSR (dots)."""
+    """Per family and column: found % (sensitive) or continuation loss - dense's in nats (robust) as bars, and
+    Omega_MSR as dots (right axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -658,29 +730,38 @@ def plot(res: dict, path: Path) -> Path:
             "sensitive (counted)",
             [f for f, d in sorted(fams.items()) if d["category"] == "sensitive" and d["qualified"]],
         ),
-        ("robust (continuation)", [f for f, d in sorted(fams.items()) if d["category"] == "robust"]),
+        ("robust (continuation loss)", [f for f, d in sorted(fams.items()) if d["category"] == "robust"]),
     ]
     groups = [(t, fs) for t, fs in groups if fs]
     fig, axes = plt.subplots(
         len(groups), 1, figsize=(max(8, 0.9 * max(len(fs) for _, fs in groups) + 3), 4.2 * len(groups)), squeeze=False
     )
-    colors = ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    colors = ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink"]
     for ax, (title, fs) in zip(axes[:, 0], groups):
+        sens = title.startswith("sensitive")
         here = [(k, c) for k, c in enumerate(cols) if any(c[1] in fams[f]["variants"] for f in fs)]
-        w = 0.8 / len(here)
+        if not sens:  # dense is the reference (a difference of 0)
+            here = [(k, c) for k, c in here if c[1] != "dense"]
+        w = 0.8 / max(1, len(here))
+        ax2 = ax.twinx()
         for j, (k, (name, key)) in enumerate(here):
-            metric = "found" if title.startswith("sensitive") else "score"
-            ys = [fams[f]["variants"].get(key, {}).get(metric, float("nan")) for f in fs]
-            om = [100 * fams[f]["variants"].get(key, {}).get("omega_msr", float("nan")) for f in fs]
+            ys = [fams[f]["variants"].get(key, {}).get("found" if sens else "loss_delta", float("nan")) for f in fs]
+            om = [fams[f]["variants"].get(key, {}).get("omega_msr", float("nan")) for f in fs]
             xs = [i + (j - (len(here) - 1) / 2) * w for i in range(len(fs))]
             ax.bar(xs, [float("nan") if y is None else y for y in ys], width=w, color=colors[k % len(colors)],
                    alpha=0.75, label=name)  # fmt: skip
-            ax.plot(xs, om, "D", color=colors[k % len(colors)], markeredgecolor="black", markersize=5)
+            ax2.plot(xs, om, "D", color=colors[k % len(colors)], markeredgecolor="black", markersize=5)
         ax.set_xticks(range(len(fs)), fs, rotation=30, ha="right", fontsize=8)
-        ax.set_ylim(0, 105)
-        ax.set_ylabel("found % / ROUGE-L (bars); Omega_MSR x 100 (dots)", fontsize=8)
+        if sens:
+            ax.set_ylim(0, 105)
+            ax.set_ylabel("found % (bars)", fontsize=8)
+        else:
+            ax.axhline(LOSS_TOL, color="gray", linestyle="--", linewidth=1)
+            ax.set_ylabel(f"loss - dense, nats (bars; dashed: tolerance {LOSS_TOL:g})", fontsize=8)
+        ax2.set_ylim(0, 1.05)
+        ax2.set_ylabel("Omega_MSR (dots)", fontsize=8)
         ax.set_title(title)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.08, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
