@@ -50,7 +50,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from elastic_vllm.config import FA_FLOOR_DEFAULT
+from elastic_vllm.config import FA_FLOOR_DEFAULT, ElasticConfig
 from elastic_vllm.eval import heldout as H
 from elastic_vllm.eval import metrics as M
 
@@ -90,12 +90,8 @@ def parse_variant(spec: str) -> Variant:
     name = name.strip()
     if name in BUILTIN or "@" in name:
         raise ValueError(f"--variant {name!r}: the name is taken (built-in: {', '.join(BUILTIN)}) or has '@'")
-    try:
-        cfg = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--variant {name}: not JSON ({e}): {raw!r}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"--variant {name}: the configuration must be a JSON object, got {raw!r}")
+    ElasticConfig.parse(raw, prefix=f"--variant {name}")  # JSON, an object, known and valid fields: else it names them
+    cfg = json.loads(raw)
     return Variant(name, cfg, {}, label=f"elastic, {json.dumps(cfg)}")
 
 

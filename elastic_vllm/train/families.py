@@ -196,6 +196,21 @@ def render(template: str, messages: list[dict], tokenizer) -> str | None:
     raise ValueError(f"unknown template {template!r} (known: {', '.join(TEMPLATES)})")
 
 
+# the instructions of the robust kinds whose body is a builder's sample (one drawn per sample)
+ASKS = {
+    "summary": (
+        "Write a short summary of what this document covers, as its opening paragraph.",
+        "Summarize the material above in a few sentences.",
+        "What is this about? Give a brief overview.",
+    ),
+    "codegen": (
+        "Write the next lines of the last function.",
+        "Continue the code where it stops.",
+        "Complete the implementation.",
+    ),
+}
+
+
 class Families:
     """Draws family samples for one split; ``builder`` (train.build.Builder) gives sources and token counts."""
 
@@ -466,25 +481,10 @@ class Families:
             r = b._summarize_rst(rng, b.linuxdoc()) if hay == "docs" and b.linuxdoc() else None
             r = r or b._summarize_module(rng)
             body = r["content"].split("\n\n", 1)[1].rsplit("\n\n", 1)[0]
-            ask = rng.choice(
-                (
-                    "Write a short summary of what this document covers, as its opening paragraph.",
-                    "Summarize the material above in a few sentences.",
-                    "What is this about? Give a brief overview.",
-                )
-            )
-            return [body], ask, r["answer"], r["source"]
+            return [body], rng.choice(ASKS[kind]), r["answer"], r["source"]
         if kind == "codegen":
             r = b.code_completion(rng)
-            body = r["content"].split("\n\n", 1)[1]
-            ask = rng.choice(
-                (
-                    "Write the next lines of the last function.",
-                    "Continue the code where it stops.",
-                    "Complete the implementation.",
-                )
-            )
-            return [body], ask, r["answer"], r["source"]
+            return [r["content"].split("\n\n", 1)[1]], rng.choice(ASKS[kind]), r["answer"], r["source"]
         if kind == "continue":
             units = self.haystack(rng, hay, budget)
             n_ans = rng.randint(2, 4)  # the haystack's own next units: real text or the same generator's

@@ -138,7 +138,13 @@ def test_variants_parse_and_refuse():
     assert [v.name for v in vs] == ["dense", "elastic", "floor"]
     assert vs[0].xargs == {"elastic_force": "all-FA"} and vs[2].server == {"fa_floor": 9}
     assert vs[1].key() != vs[2].key()
-    for bad, msg in (("floor", "NAME=JSON"), ("dense={}", "taken"), ("x=[1]", "JSON object"), ("x={", "not JSON")):
+    for bad, msg in (
+        ("floor", "NAME=JSON"),
+        ("dense={}", "taken"),
+        ("x=[1]", "JSON object"),
+        ("x={", "not valid JSON"),
+        ('x={"fa_flor": 1}', "fa_flor"),
+    ):
         with pytest.raises(ValueError, match=msg):
             S.parse_variant(bad)
     with pytest.raises(ValueError, match="unknown variants"):
