@@ -91,7 +91,7 @@ def gpu_option(request):
 
 
 class Rows:
-    """The rows of this session, and of the file when appending; the file rewritten after every row."""
+    """The rows of this pytest run, and of the file when appending; the file rewritten after every row."""
 
     def __init__(self, path: str | None, append: bool):
         self.path = path
