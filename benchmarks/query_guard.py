@@ -217,15 +217,32 @@ class Recorder:
     def __init__(self):
         self.reset()
         self.guard: tuple | None = None  # (signal name, n_q, threshold) of the inline guard, or None
+        self.switch: tuple | None = None  # (signal name, n_q, threshold, bias) of the inline switch, or None
 
     def reset(self, needle=None):
         self.layers: dict[int, dict] = {}  # layer -> {"far", "out", "peak"}: [Hq, NQ_MAX] float32
         self.needle = needle  # bool [P] needle tokens, or None
         self.needle_mass: dict[int, list] = {}  # layer -> [[Hq] per answer query]
         self.pending: dict | None = None
+        self.switched: int | None = None  # the layer where the switch fired in this prefill
 
 
 REC = Recorder()
+
+
+def first_switch_layer_ok(sig, is_fa, thr: float):
+    """Does this layer fire the switch: some head the router sends to SA has a signal above ``thr``?"""
+    return (sig.to(is_fa.device)[~is_fa] > thr).any()
+
+
+def switch_layer(router_res: dict, name: str, n_q: int, thr: float) -> int | None:
+    """The first layer where the switch fires, from the router pass: exact for the inline switch too (below that
+    layer its prefill is the router pass, so that layer sees the router pass's queries)."""
+    for layer in sorted(router_res["signals"]):
+        sig = head_signal(router_res["signals"][layer], name, n_q)
+        if bool(first_switch_layer_ok(sig, router_res["routing"][layer], thr)):
+            return layer
+    return None
 
 
 def per_query_signals(q, k, v, scale: float):
@@ -275,6 +292,7 @@ def install(model):
     from transformers import AttentionInterface
 
     from elastic_vllm.hf import attention as hfatt
+    from elastic_vllm.router.model import decide, effective_margin
 
     orig_forward = hfatt.elastic_attention_forward
     orig_route = hfatt._route
@@ -299,6 +317,13 @@ def install(model):
 
     def route(state, module, layer, k_pos, k_valid, B):
         is_fa, r = orig_route(state, module, layer, k_pos, k_valid, B)
+        if REC.switch is not None and state.cfg.force == "auto":
+            name, n_q, thr, bias = REC.switch
+            if REC.switched is None and bool(first_switch_layer_ok(head_signal(REC.pending, name, n_q), is_fa[0], thr)):
+                REC.switched = layer
+            if REC.switched is not None:  # this layer and every later one: the request's retrieval bias
+                is_fa = decide(state.logits[:, layer], effective_margin(state.cfg.sa_margin, bias))
+                state.routing[:, layer] = is_fa
         if REC.guard is not None and state.cfg.force == "auto":
             name, n_q, thr = REC.guard
             keep = head_signal(REC.pending, name, n_q) > thr
@@ -359,6 +384,7 @@ class Runner:
         self.state.set_config(force="all-FA" if spec[0] == "dense" else "auto")
         self.state.fixed_routing = spec[1].to(self.device) if spec[0] == "fixed" else None
         REC.guard = tuple(spec[1:]) if spec[0] == "inline" else None
+        REC.switch = tuple(spec[1:]) if spec[0] == "switch" else None
         enc = self.tok(p.text, add_special_tokens=False, return_offsets_mapping=True)
         ids = torch.tensor([enc["input_ids"]], device=self.device)
         needle = None
@@ -410,6 +436,7 @@ class Runner:
                 res["nll"] = float(torch.nn.functional.cross_entropy(logits[0], tgt[0]))
                 res["target_tokens"] = tgt.shape[1]
         res["routing"] = self.state.routing[0].cpu()
+        res["switch_layer"] = REC.switched
         res["omega"] = float(self.state.omega_msr()[0])
         if record:
             res["signals"] = {layer: {k: v.cpu() for k, v in r.items()} for layer, r in sorted(REC.layers.items())}
@@ -490,10 +517,14 @@ def guarded(router_res: dict, name: str, n_q: int, thr: float):
 
 
 def sim_guard(run: Runner, p: Prompt, router_res: dict, name: str, n_q: int, thr: float) -> dict:
-    """The guard applied to the router pass's signals. Sensitive prompts run under the guarded routing (the router's
-    own result when the guard adds no head); robust prompts only get the guarded Omega_MSR (their loss is measured
-    by the inline runs: keeping heads FA moves a robust prompt toward dense, what it costs is sparsity)."""
-    fa = guarded(router_res, name, n_q, thr)
+    """The guard applied to the router pass's signals (``fixed_or_omega``)."""
+    return fixed_or_omega(run, p, router_res, guarded(router_res, name, n_q, thr))
+
+
+def fixed_or_omega(run: Runner, p: Prompt, router_res: dict, fa) -> dict:
+    """Sensitive prompts run under the routing ``fa`` (the router's own result when it adds no head to the
+    router's); robust prompts only get its Omega_MSR (their loss is measured by the inline runs: keeping heads FA
+    moves a robust prompt toward dense, what it costs is sparsity)."""
     if p.category == "robust":
         return {"pid": p.pid, "omega": float((~fa).float().mean()), "nll": None, "routing": fa}
     if bool((fa == router_res["routing"]).all()):
@@ -516,6 +547,21 @@ def oracle_guard(run: Runner, p: Prompt, dense_res: dict, router_res: dict, k: i
     if bool((fa == router_res["routing"]).all()):
         return router_res
     return run.run(p, ("fixed", fa))
+
+
+def switch_guard(run: Runner, p: Prompt, router_res: dict, spec: tuple) -> dict:
+    """The request-level switch: from the first layer where a head the router sends to SA has a signal above the
+    threshold, that layer and every later one route with the retrieval bias. A prompt where it never fires is the
+    router pass (its result, without a run)."""
+    if switch_layer(router_res, *spec[1:4]) is None:
+        return router_res
+    res = run.run(p, spec)
+    if res["switch_layer"] != switch_layer(router_res, *spec[1:4]):
+        raise RuntimeError(
+            f"{p.pid}: the inline switch fired at layer {res['switch_layer']}, the router pass says "
+            f"{switch_layer(router_res, *spec[1:4])}"
+        )
+    return res
 
 
 def inline_guard(run: Runner, p: Prompt, router_res: dict, name: str, n_q: int, thr: float) -> dict:
@@ -577,6 +623,13 @@ def summarize(prompts, results: dict) -> dict:
     return {"families": fams, "categories": cats}
 
 
+def static_omega(summary: dict, p: Prompt, mode: str) -> float:
+    if mode == "family":
+        return summary["families"][p.family]["omega"]
+    cats = summary["categories"]
+    return sum(c["omega"] * c["n"] for c in cats.values()) / sum(c["n"] for c in cats.values())
+
+
 def per_prompt(prompts, results: dict) -> list[dict]:
     rows = []
     for p in prompts:
@@ -632,9 +685,24 @@ def main() -> None:
         default=[],
         help="guard settings evaluated with the router pass's signals (sim): SIGNAL:N_Q:THR,THR,...",
     )
+    ap.add_argument(
+        "--switch",
+        nargs="*",
+        default=[],
+        help="SIGNAL:N_Q:THR:BIAS: from the first layer where a router-SA head's signal exceeds THR, route with BIAS",
+    )
     ap.add_argument("--inline", nargs="*", default=[], help="guard settings run inline: SIGNAL:N_Q:THR")
     ap.add_argument("--oracle", nargs="*", type=int, default=[], help="router + the prompt's top-K needle-mass heads")
-    ap.add_argument("--static", action="store_true", help="also the static ranking at each inline guard's Omega_MSR")
+    ap.add_argument(
+        "--floor", nargs="*", default=[], help="K:THR: router + the static top-K heads, alone and with the peak guard"
+    )
+    ap.add_argument(
+        "--static",
+        nargs="*",
+        default=[],
+        choices=("mean", "family"),
+        help="the static ranking at each inline guard's / switch's Omega_MSR: its mean over all prompts, per family",
+    )
     ap.add_argument("--cache", default=None, help="folder for per-prompt results (a rerun reuses them)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (float32 either way)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -693,20 +761,45 @@ def main() -> None:
         label = f"router + top-{k} heads by the prompt's dense needle mass"
         methods[label] = {p.pid: oracle_guard(run, p, dense[p.pid], router[p.pid], k) for p in prompts}
         log(f"{label}: {summarize(prompts, methods[label])['categories']} (ran {run.ran}, cached {run.cached})")
+    for item in args.switch:
+        name, n_q, thr, bias = item.split(":")
+        label = f"switch {name}@{n_q}>{float(thr):g} -> bias {float(bias):g}"
+        spec = ("switch", name, int(n_q), float(thr), float(bias))
+        methods[label] = {p.pid: switch_guard(run, p, router[p.pid], spec) for p in prompts}
+        sweep.append(label)
+        log(f"{label}: {summarize(prompts, methods[label])['categories']} (ran {run.ran}, cached {run.cached})")
     for item in args.inline:
         name, n_q, thr = item.split(":")
         label = f"inline {name}@{n_q}>{float(thr):g}"
         methods[label] = {p.pid: inline_guard(run, p, router[p.pid], name, int(n_q), float(thr)) for p in prompts}
         sweep.append(label)
         log(f"{label}: {summarize(prompts, methods[label])['categories']} (ran {run.ran}, cached {run.cached})")
-    # the static ranking at the Omega_MSR each inline guard realized on each family
-    for label in sweep if args.static else []:
-        fam_omega = summarize(prompts, methods[label])["families"]
-        slabel = f"static @ omega of {label}"
-        methods[slabel] = {
-            p.pid: run.run(p, ("fixed", static_routing(static_scores, fam_omega[p.family]["omega"]))) for p in prompts
+    # the static ranking (the same heads SA for every prompt) at the mean Omega_MSR each inline guard / switch
+    # realized over all prompts; "family": at its Omega on each family (a static hybrid told the task family)
+    for label in sweep:
+        for mode in args.static:
+            summ = summarize(prompts, methods[label])
+            slabel = f"static @ {'per-family' if mode == 'family' else 'mean'} omega of {label}"
+            methods[slabel] = {
+                p.pid: run.run(p, ("fixed", static_routing(static_scores, static_omega(summ, p, mode))))
+                for p in prompts
+            }
+            log(f"{slabel}: {summarize(prompts, methods[slabel])['categories']} (ran {run.ran}, cached {run.cached})")
+    for item in args.floor:
+        # the static floor (the top-K heads of the committed ranking always FA) alone and with the guard on top
+        k, thr = item.split(":")
+        floor = static_routing(static_scores, 1 - int(k) / static_scores.numel())
+        label = f"router + static top-{k}"
+        methods[label] = {
+            p.pid: fixed_or_omega(run, p, router[p.pid], router[p.pid]["routing"] | floor) for p in prompts
         }
-        log(f"{slabel}: {summarize(prompts, methods[slabel])['categories']} (ran {run.ran}, cached {run.cached})")
+        log(f"{label}: {summarize(prompts, methods[label])['categories']} (ran {run.ran}, cached {run.cached})")
+        label = f"router + static top-{k} + sim peak_max@64>{float(thr):g}"
+        methods[label] = {
+            p.pid: fixed_or_omega(run, p, router[p.pid], guarded(router[p.pid], "peak_max", 64, float(thr)) | floor)
+            for p in prompts
+        }
+        log(f"{label}: {summarize(prompts, methods[label])['categories']} (ran {run.ran}, cached {run.cached})")
     payload = {
         "kind": "elastic-vllm query guard",
         "env": environment(("torch", "transformers")),

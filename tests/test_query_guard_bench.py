@@ -82,3 +82,14 @@ def test_guard_only_adds_fa_heads(monkeypatch):
     res = {"signals": raw, "routing": routing}
     torch.testing.assert_close(qg.guarded(res, "peak_max", 64, 0.5), torch.tensor([[True, True], [True, False]]))
     torch.testing.assert_close(qg.guarded(res, "peak_max", 64, 0.9), routing)
+
+
+def test_switch_fires_at_the_first_layer_where_a_router_sa_head_peaks(monkeypatch):
+    monkeypatch.setattr(qg, "HKV", 2)
+    sig = torch.tensor([[0.95, 0.1], [0.2, 0.3], [0.1, 0.92]])  # [L, Hkv]
+    raw = {layer: {"peak": sig[layer].repeat_interleave(2)[:, None].expand(4, qg.NQ_MAX)} for layer in range(3)}
+    routing = torch.tensor([[True, False], [False, False], [False, False]])  # layer 0's peaked head is FA already
+    res = {"signals": raw, "routing": routing}
+    assert qg.switch_layer(res, "peak_max", 64, 0.9) == 2
+    assert qg.switch_layer(res, "peak_max", 64, 0.25) == 1
+    assert qg.switch_layer(res, "peak_max", 64, 0.99) is None
