@@ -12,10 +12,9 @@ FROM vllm/vllm-openai:v0.26.0
 WORKDIR /opt/elastic-vllm
 COPY setup.py pyproject.toml README.md ./
 COPY elastic_vllm ./elastic_vllm
-COPY csrc ./csrc
 COPY router_weights ./router_weights
 RUN python3 -m pip install --no-cache-dir . \
-    && python3 -c "import elastic_vllm.csrc, elastic_vllm.vllm_plugin.plugin"
+    && python3 -c "import elastic_vllm.ops.prefill, elastic_vllm.vllm_plugin.plugin"
 
 # a non-editable install does not see the checkout: name the shipped routers' folder
 ENV ELASTIC_VLLM_CACHE=/root/.cache/elastic-vllm \

@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 
 # wonderwords pinned: RULER reads its word lists through a private function (seen working: 3.0.1)
 EVAL = ["matplotlib>=3.8", "nltk>=3.8", "wonderwords==3.0.1", "tenacity>=8", "scipy>=1.10", "pyyaml>=6"]
-packages = [*find_packages(include=["elastic_vllm", "elastic_vllm.*"]), "elastic_vllm.csrc"]
+packages = find_packages(include=["elastic_vllm", "elastic_vllm.*"])
 
 setup(
     name="elastic-vllm",
@@ -19,14 +19,17 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=packages,
-    package_dir={"elastic_vllm.csrc": "csrc"},
-    package_data={"elastic_vllm": ["py.typed"]},
+    package_data={
+        "elastic_vllm": ["py.typed"],
+        "elastic_vllm.eval": ["data/*.jsonl.xz", "data/*.jsonl.gz", "data/*.json"],
+    },
     install_requires=[
         "torch>=2.11",
         "transformers>=5.0",
         "pydantic>=2.6",
         "safetensors>=0.4",
         "prometheus-client>=0.20",
+        "psutil>=5.9",  # `elastic-vllm serve` watches the server's engine core processes
         "fastapi>=0.110",
         "numpy>=1.26",
         "tqdm>=4.66",

@@ -1,27 +1,23 @@
-"""What every benchmark here (and the GPU checks of tests/gpu/) shares: the run's record (machine, versions,
-commit, command), timing, the correctness gate, JSON written atomically, and running from a bare checkout.
+"""What every benchmark here shares: the run's record (machine, versions,
+commit, command), timing, the correctness gate, JSON written atomically, and running from a bare checkout (the
+repository root first on sys.path: this tree's package, kernels included, is the one measured).
 
-A benchmark script imports it as ``_harness`` (the script's folder is first on sys.path); tests/gpu/ puts
-benchmarks/ on sys.path. Nothing here decides which measurements run: a script runs the jobs it is asked for.
+A benchmark script imports it as ``_harness`` (the script's folder is first on sys.path). Nothing here decides
+which measurements run: a script runs the jobs it is asked for.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
-import types
 from pathlib import Path
-from typing import ClassVar
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # a bare checkout (the GPU machine's): this tree's package is the one measured
+    sys.path.insert(0, str(ROOT))
 T0 = time.time()
+
+from elastic_vllm.provenance import kernel_sources_sha256, provenance, versions, write_json  # noqa: E402, F401  (re-exported)
 
 
 def log(msg: object) -> None:
@@ -29,137 +25,26 @@ def log(msg: object) -> None:
     print(f"[{time.time() - T0:6.0f}s] {msg}", flush=True)
 
 
-# --- running from a bare checkout (the GPU machine's copy of the tree: nothing pip-installed) ---------------
-def use_source_kernels(root: Path | str = ROOT) -> None:
-    """Make ``elastic_vllm.csrc`` the package of ``root/csrc`` (setup.py installs csrc/ under that name; a bare
-    checkout has no such package), also when another one (an editable install of a different checkout) is
-    importable: a benchmark times and checks the kernels of its own tree."""
-    import elastic_vllm
-
-    csrc = (Path(root) / "csrc").resolve()
-    if not (csrc / "__init__.py").is_file():
-        raise FileNotFoundError(f"{csrc}/__init__.py: not a source checkout of elastic-vllm")
-    spec = importlib.util.find_spec("elastic_vllm.csrc")
-    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
-    if origin is not None and origin.parent == csrc:
-        return
-    spec = importlib.util.spec_from_file_location(
-        "elastic_vllm.csrc", csrc / "__init__.py", submodule_search_locations=[str(csrc)]
-    )
-    for name in [n for n in sys.modules if n.startswith("elastic_vllm.csrc.")]:
-        del sys.modules[name]  # submodules of the previous mapping
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["elastic_vllm.csrc"] = mod
-    spec.loader.exec_module(mod)
-    elastic_vllm.csrc = mod
-
-
-def _pydantic_stand_in() -> types.ModuleType:
-    mod = types.ModuleType("pydantic")
-
-    class BaseModel:
-        model_fields: ClassVar[dict] = {}
-
-        def __init__(self, **kw):
-            for k, v in kw.items():
-                setattr(self, k, v)
-
-    class ValidationError(ValueError):
-        pass
-
-    mod.BaseModel = BaseModel
-    mod.ValidationError = ValidationError
-    mod.ConfigDict = dict
-    mod.Field = lambda default=None, **kw: default
-    mod.model_validator = lambda **kw: lambda f: f
-    mod.field_validator = lambda *a, **kw: lambda f: f
-    mod.__elastic_stand_in__ = True
-    return mod
-
-
-def bootstrap() -> None:
-    """The repository root on sys.path, ``elastic_vllm.csrc`` -> this tree's csrc/, and, when pydantic is absent
-    (the GPU image has only torch, triton, numpy), a minimal stand-in so that ``elastic_vllm.config`` (imported by
-    the reference package for HeadMode) loads; the kernel scripts never validate an ElasticConfig."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        import pydantic  # noqa: F401
-    except ImportError:
-        sys.modules["pydantic"] = _pydantic_stand_in()
-    use_source_kernels(ROOT)
-
-
-# --- the run's record --------------------------------------------------------------------------------------
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def provenance(argv: list[str] | None = None) -> dict:
-    """Command, commit and time. GIT_COMMIT first: the device machine gets the tree without .git (or a stale one)."""
-    argv = [sys.executable, *sys.argv] if argv is None else argv
-    in_git = (ROOT / ".git").exists()
-    given = os.environ.get("GIT_COMMIT")
-    return {
-        "command": " ".join(shlex.quote(a) for a in argv),
-        "git_commit": given or (_git("rev-parse", "HEAD") if in_git else "") or "unknown",
-        "git_commit_from": "GIT_COMMIT" if given else ("git" if in_git else "none"),
-        "git_dirty": None if given or not in_git else bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-
-
-def versions(modules: tuple[str, ...] = ("torch", "triton")) -> dict:
-    """Python, each module's version (or why it is unavailable), the GPU; importing torch does not import
-    triton, so TRITON_INTERPRET set by a script before this call still holds."""
-    env = {"python": platform.python_version(), "host": platform.node(), "cpu_count": os.cpu_count()}
-    for mod in modules:
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception as e:  # ImportError, or a package's own import-time error
-            env[mod] = f"unavailable ({type(e).__name__})"
-    if "torch" in modules and "unavailable" not in env["torch"]:
-        import torch
-
-        env["cuda"] = torch.version.cuda
-        env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        env["gpu_count"] = torch.cuda.device_count()
-    return env
-
-
+# --- the run's record (elastic_vllm.provenance, shared with the evaluation and the GPU checks) ---------------
 def environment(modules: tuple[str, ...] = ("torch", "triton"), argv: list[str] | None = None) -> dict:
-    """Everything a result file records about its run: provenance, versions and which kernel sources ran."""
-    return {**provenance(argv), **versions(modules), "csrc_sha256": csrc_sha256()}
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def csrc_sha256(root: Path = ROOT) -> str:
-    """One hash of the kernel sources (csrc/*.py, by name): which kernels a result timed when the tree is not a git
-    checkout (the device machine) or when two trees are compared."""
-    h = hashlib.sha256()
-    for f in sorted((root / "csrc").glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def write_json(path: str | os.PathLike | None, payload: dict) -> None:
-    """Write atomically (a run cut short leaves the last complete file, never half of one)."""
-    if not path:
-        return
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str))
-    tmp.replace(p)
+    """Everything a result file records about its run: provenance, versions and which kernel sources ran (this
+    tree's elastic_vllm/ops, the package ``_harness`` puts first on sys.path)."""
+    return {**provenance(argv), **versions(modules), "ops_sha256": kernel_sources_sha256(ROOT / "elastic_vllm" / "ops")}
 
 
 # --- timing --------------------------------------------------------------------------------------------------
+def made_with(env: dict, merged: list[dict] = (), extra: str = "") -> str:
+    """A result's provenance sentence for its markdown: versions, commit, the command (and those merged in)."""
+    return (
+        f"vLLM {env.get('vllm')}, torch {env.get('torch')}"
+        + (f", triton {env['triton']}" if env.get("triton") else "")
+        + f", commit {env['git_commit']}{' (uncommitted changes)' if env.get('git_dirty') else ''}. "
+        + f"Command: `{env['command']}`{extra}"
+        + "".join(f"; merged: `{m['command']}` ({m['git_commit']})" for m in merged)
+        + "."
+    )
+
+
 def quantiles(samples: list[float]) -> dict:
     """Median with p20 / p80 of repeated measurements (any unit)."""
     s = sorted(samples)

@@ -5,18 +5,15 @@
         --out benchmarks/results/accuracy_smollm2 [--device cuda] [--methods ...] [--quick]
 
 The harness lives in ``elastic_vllm.eval.harness`` (also ``elastic-vllm eval``); the prompts in
-``benchmarks/data/`` (built by ``python3 -m elastic_vllm.eval.prepare``). Runs from a plain checkout:
-the repository root goes on sys.path.
+``elastic_vllm/eval/data/`` (built by ``python3 -m elastic_vllm.eval.prepare``). Runs from a plain checkout
+(``_harness`` puts the repository root on sys.path).
 """
 
 import sys
 
-from _harness import ROOT, use_source_kernels
+import _harness  # noqa: F401  (this checkout's package first on sys.path, its kernels included)
 
-sys.path.insert(0, str(ROOT))
-use_source_kernels(ROOT)  # --impl triton: this checkout's kernels, installed or not
-
-from elastic_vllm.eval.harness import main  # noqa: E402
+from elastic_vllm.eval.harness import main
 
 if __name__ == "__main__":
     sys.exit(main())

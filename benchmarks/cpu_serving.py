@@ -16,7 +16,7 @@ API with streaming:
   token throughput, TTFT and time per output token under load.
 
 Elastic serves FA-SSA (sink 128, window 2048) with a fixed-share router (``--share``, default 0.75:
-``serve_bench.fixed_share_router``, the last round(share x 30) of the demo model's 30 layers SA whatever the input, so
+``_routers.fixed_share_router``, the last round(share x 30) of the demo model's 30 layers SA whatever the input, so
 Omega_MSR 22/30 = 0.733 for 0.75), so the prefill work is close to the GPU benchmark's 0.75 rows and the requests,
 carrying no share, are routed by the same path as in serving (a per-request ``elastic_target_omega`` would take the
 router's slower torch glue path); ``--share auto``: the router's own decisions, the shipped router's (or
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from _harness import ROOT, T0, environment, log, write_json
-from serve_bench import fixed_share_router
+from _routers import fixed_share_router
 
 NAME = "smollm2"
 BACKENDS = ("CPU_ATTN", "elastic")

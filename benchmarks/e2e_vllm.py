@@ -9,7 +9,7 @@
 Models: Llama-3.1-8B and Qwen3-8B shapes with dummy weights (``load_format="dummy"``, config.json
 written to a temp folder, prompt token ids, no tokenizer), bf16; and the real demo model
 (SmolLM2-135M-Instruct) for the router's own decisions. Each fixed share of SA heads (Omega_MSR 0.75, 0.5) runs on
-its own engine, which loads a fixed-share router (``serve_bench.fixed_share_router``: the first round((1 - share) x L)
+its own engine, which loads a fixed-share router (``_routers.fixed_share_router``: the first round((1 - share) x L)
 layers FA, the rest SA, whatever the input; Omega_MSR = round(share x L) / L): the requests carry no share, so they are
 routed by the fused router path as in serving and its cost is in every number (a per-request
 ``elastic_target_omega`` would take the router's slower torch glue path). Tasks without a share run on the job's
@@ -52,7 +52,8 @@ import time
 import traceback
 from pathlib import Path
 
-from _harness import ROOT, T0, bootstrap, log, provenance, quantiles, versions, write_json
+from _harness import ROOT, T0, log, provenance, quantiles, versions, write_json
+from _routers import fixed_share_router
 
 # --- model shapes (config.json of each, as on the Hub, max_position_embeddings raised by MARGIN) ----
 MARGIN = 512  # room for the generated tokens past a nominal 128K/256K prompt
@@ -721,7 +722,6 @@ def run_decode(eng: Engine, spec: dict, t: dict) -> list[dict]:
 def worker(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     t_start = time.time()
-    bootstrap()
     work = Path(spec["work"])
     from elastic_vllm.vllm_plugin import plugin
 
@@ -739,10 +739,8 @@ def worker(spec_path: str) -> int:
     else:
         model_dir = write_model_dir(spec, work)
     if spec["backend"] == "elastic" and spec.get("share") is not None:
-        from serve_bench import fixed_share_router  # here, not at the top: serve_bench imports this module
-
         router = str(fixed_share_router(model_dir, work / spec["name"], spec["share"]))
-        router_note = f"fixed share {spec['share']} (serve_bench.fixed_share_router: whole layers SA)"
+        router_note = f"fixed share {spec['share']} (_routers.fixed_share_router: whole layers SA)"
     elif spec["backend"] == "elastic" and spec["model"] == DEMO:
         router, router_note = demo_router(spec, model_dir, work)
     elif spec["backend"] == "elastic":

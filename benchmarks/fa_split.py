@@ -8,7 +8,7 @@ head, ``ops.fa_heads_attention``) and the fused kernel for the SA heads only (``
 One layer's attention as the backend runs it (``ops.triton_attention``, vLLM's interleaved [blocks, 16, Hkv, 2d]
 cache), for the Llama-3.1-8B attention (32 / 8 heads, d 128) and the demo model's (SmolLM2-135M: 9 / 3, d 64), on
 the prompt steps vLLM schedules at its default chunk of 8192 tokens: one whole prompt of 1K-8K, eight 1K prompts,
-and the last chunk of a 16K-128K prompt. The SA share (the first n KV heads SSA, the rest FA) runs 0 to 1: the
+and the last chunk of a 12K-128K prompt. The SA share (the first n KV heads SSA, the rest FA) runs 0 to 1: the
 host does not know a step's routing (it is decided on the device), so the split costs what it costs at every
 share. Times are ``do_bench`` medians of eager calls: the host's launches are inside them, as in vLLM's eager
 attention between graph pieces. Every split output is checked against the fused kernel's (NaN-poisoned buffers,
@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-from _harness import ROOT, bench, bootstrap, environment, log, write_json
+from _harness import bench, environment, log, write_json
 
 SHAPES = {"llama": (32, 8, 128), "demo": (9, 3, 64)}
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -35,7 +35,8 @@ def cases(dry: bool) -> list[tuple[str, list[int], list[int]]]:
         return [("1x96", [96], [96]), ("2x48", [48, 48], [48, 48]), ("ctx160 q64", [160], [64])]
     one = [(f"1x{s // 1024}K", [s], [s]) for s in (1024, 2048, 4096, 8192)]
     chunks = [(f"ctx{c // 1024}K q8K", [c], [8192]) for c in (16384, 32768, 65536, 131072)]
-    return [*one, ("8x1K", [1024] * 8, [1024] * 8), *chunks]
+    # a 12K prompt's last chunk (4K after 8K): between the whole 8K prompt and the 16K contexts
+    return [*one, ("8x1K", [1024] * 8, [1024] * 8), ("ctx12K q4K", [12288], [4096]), *chunks]
 
 
 def step_inputs(torch, seq_lens, query_lens, hq, hkv, d, dev, dt, seed=0):
@@ -79,7 +80,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.cpu_dry:
         os.environ["TRITON_INTERPRET"] = "1"
-    bootstrap()
     import torch
 
     from elastic_vllm.vllm_plugin.ops import AttnParams, triton_attention
@@ -143,5 +143,4 @@ def summary(rows) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

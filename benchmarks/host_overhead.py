@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host (Python) time of the csrc launchers per call, with the Triton launch itself stubbed out.
+"""Host (Python) time of the kernels' launchers per call, with the Triton launch itself stubbed out.
 
     python3 benchmarks/host_overhead.py --out benchmarks/results/host-overhead-cpu.json
 
@@ -9,7 +9,7 @@ captured in CUDA graphs and replayed without it). Shapes: the Llama-3.1-8B atten
 d 128), an 8K prompt in vLLM's cache layout for the elastic backend ([blocks, 16, 8, 2 x 128] bf16, CPU
 tensors: nothing is launched). Each launcher is called ``--calls`` times after a warm-up; the median of
 ``--repeats`` runs is reported. CPU numbers: the GPU machine's CPU runs the same Python faster. The kernels
-come from this file's checkout (``csrc`` next to ``benchmarks``), so copying the script into a worktree of
+come from this file's checkout (``_harness`` puts it first on sys.path), so copying the script into a worktree of
 an older commit measures that commit. Run it on a quiet machine: a concurrent test run doubled the numbers.
 """
 
@@ -23,9 +23,8 @@ import statistics
 import sys
 import time
 
-from _harness import ROOT, environment, write_json
+from _harness import environment, write_json
 
-sys.path.insert(0, str(ROOT))
 os.environ.pop("TRITON_INTERPRET", None)  # the launchers' GPU-path config, not the interpreter's
 
 import torch
@@ -52,17 +51,17 @@ def _time(fn, calls: int, repeats: int) -> float:
 
 def _glue_rows(route, router, key_cache, L: int, hkv: int, d: int, bs: int, args) -> dict[str, float]:
     """One layer's routing of one prompt row in the engine, both ways: the per-layer torch glue
-    (``route_layer`` with the Triton router, then the table writes of ``EngineState.route``'s torch
-    path, reproduced op for op here) and the fused path (``TritonRouter.route_into``: the kernel writes
-    the tables). Kernel launches stubbed as above. These rows measure the installed elastic_vllm package."""
-    from elastic_vllm.csrc import route as installed_route
-
+    (``route_layer`` with the Triton router, then ``RoutingTables.write``: ``EngineState.route``'s torch
+    path) and the fused path (``TritonRouter.route_into``: the kernel writes
+    the tables). Kernel launches stubbed as above."""
     from elastic_vllm.config import ElasticConfig
+    from elastic_vllm.ops.route import kernel as route_kernel
     from elastic_vllm.reference.rope import RopeSpec
+    from elastic_vllm.router.policy import RoutingTables
     from elastic_vllm.vllm_plugin import routing as R
 
     for n in ("_route_task_kernel", "_route_router_kernel", "_route_pool_kernel"):  # the plugin's import of them
-        setattr(installed_route, n, _NoLaunch())
+        setattr(route_kernel, n, _NoLaunch())
 
     inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
     rope = RopeSpec(inv, 1.0, d, d)
@@ -71,20 +70,15 @@ def _glue_rows(route, router, key_cache, L: int, hkv: int, d: int, bs: int, args
     bt = torch.zeros(4, 8192 // bs, dtype=torch.int32)
     rb = R.build_route_batch([R.RouteRow(row=0, end=8192, force="auto", decode_phase=False, final_slot=1)], bt, bs,
                              "boundary", 100)  # fmt: skip
-    row_modes = torch.zeros(L, 8, hkv, dtype=torch.int32)
-    t_modes = torch.zeros(4, L, hkv, dtype=torch.int8)
-    t_fa = torch.zeros(4, L, hkv, dtype=torch.bool)
-    t_logits = torch.zeros(4, L, hkv, 2)
+    tables = RoutingTables(
+        torch.zeros(L, 8, hkv, dtype=torch.int32), torch.zeros(4, L, hkv, dtype=torch.int8),
+        torch.zeros(4, L, hkv, dtype=torch.bool), torch.zeros(4, L, hkv, 2),
+    )  # fmt: skip
 
     def torch_glue():
-        logits, fa, modes, _ = R.route_layer(3, key_cache, rb, router, rope, cfg, hkv, tr)
-        row_modes[3].index_copy_(0, rb.rows, modes.to(row_modes.dtype))
-        f = rb.final_idx
-        t_modes[rb.final_slots, 3] = modes.index_select(0, f)
-        t_fa[rb.final_slots, 3] = fa.index_select(0, f)
-        t_logits[rb.final_slots, 3] = logits.index_select(0, f)
+        logits, routing, pooled = R.route_layer(3, key_cache, rb, router, rope, cfg, hkv, tr)
+        tables.write(3, rb.rows, rb.final_idx, rb.final_slots, routing, logits, pooled)
 
-    tables = (row_modes, t_modes, t_fa, t_logits)
     return {
         "layer routing, torch glue (route_layer + table writes)": _time(torch_glue, args.calls // 4, args.repeats),
         "layer routing, fused (TritonRouter.route_into)": _time(
@@ -99,7 +93,9 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    from csrc import decode, prefill, route  # this checkout's kernels (ROOT is first on sys.path)
+    from elastic_vllm.ops.decode import kernel as decode
+    from elastic_vllm.ops.prefill import kernel as prefill
+    from elastic_vllm.ops.route import kernel as route
     from elastic_vllm.router.model import ElasticRouter
 
     for mod, names in ((prefill, ["_prefill_kernel"]), (decode, ["_decode_kernel", "_decode_merge_kernel"]),

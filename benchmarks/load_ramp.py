@@ -40,12 +40,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _harness import ROOT, environment, log, write_json
+from _harness import ROOT, environment, log, made_with, write_json
+from _routers import fixed_share_router
 from serve_bench import (
     DEMO_ELASTIC,
     SHARE,
     bench,
-    fixed_share_router,
     llama_dir,
     metric_sums,
     phases,
@@ -245,10 +245,7 @@ def markdown(d: dict) -> str:
         f"# Load ramp: load policy off vs on ({d['model']}, {env.get('gpu')})"
         + (" (--dry: a plumbing check, the numbers mean nothing)" if d.get("dry") else ""),
         "",
-        f"vLLM {env.get('vllm')}, torch {env.get('torch')}, commit {env['git_commit']}"
-        f"{' (uncommitted changes)' if env.get('git_dirty') else ''}. Command: `{env['command']}`"
-        + "".join(f"; merged: `{m['command']}` ({m['git_commit']})" for m in d.get("merged_from", []))
-        + ".",
+        made_with({**env, "triton": None}, d.get("merged_from", [])),
         "",
         f"Saturating rate {d['sat_rate']:.3g} requests/s ({d['sat_rate_from']}); prompts {o['input']} x (1 +- "
         f"{o['range_ratio']}) tokens, {o['output']} out (`--ignore-eos`), Poisson arrivals for ~{o['step_s']:g} s a "

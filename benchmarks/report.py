@@ -246,9 +246,22 @@ def engine_rows() -> list[Row]:
 
 
 # --- serving -------------------------------------------------------------------------------------------------
-# Each workload's rows from the file of its latest run: 1K and 8K from serve-1k-8k-h200.json, the long prompts and
-# all-FA 32K from serve-vs-flash-attn-h200.json (the later run measured only 1K and 8K).
-SERVING = (("serve-1k-8k-h200.json", ("1k", "8k")), ("serve-vs-flash-attn-h200.json", ("32k", "128k", "fa32k")))
+# The committed serve_bench runs, oldest first: a (comparison, workload, burst) row comes from the last file that
+# holds it (each file's GPU is in its name: ratios are only ever taken within one file; a new run's file goes last).
+SERVING = (
+    "serve-vs-flash-attn-h200.json",
+    "serve-1k-8k-h200.json",
+    "serve-routers-h100.json",
+    "serve-demo-chat-h100.json",
+)
+
+
+def _serve_bench():
+    """benchmarks/serve_bench.py as a module: its comparison labels, the rows it reports and their targets."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve_bench
+
+    return serve_bench
 
 
 def _serve_commit(d: dict, workload: str) -> str:
@@ -259,46 +272,50 @@ def _serve_commit(d: dict, workload: str) -> str:
     return d["environment"]["git_commit"][:7]
 
 
-def _target_workload(t: dict) -> str:
-    """'1k cold: ...' -> 1k, '32k/64 @4: ...' -> 32k, 'fa32k: ...' -> fa32k."""
-    return t["what"].split(":")[0].split()[0].split("/")[0]
+def _gpu_of(f: str) -> str:
+    """The card a serving file ran on, short ("H100", "H200"), from its environment record."""
+    gpu = load(f)["environment"]["gpu"]
+    return next((g for g in ("H100", "H200", "B200", "A100") if g in gpu), gpu)
 
 
-def serving_rows() -> dict[tuple[str, str], dict]:
-    """(workload, burst) -> comparison row, each from the file of SERVING that holds that workload."""
-    return {
-        (r["workload"], r["burst"]): r
-        for f, workloads in SERVING
-        for r in load(f)["comparison"]
-        if r["workload"] in workloads
-    }
+def serving_rows() -> dict[tuple[str, str, str], tuple[dict, str, dict]]:
+    """(comparison label, workload, burst) -> (row, file, the file's JSON), from the last file of SERVING with it."""
+    out = {}
+    for f in SERVING:
+        d = load(f)
+        for r in d["comparison"]:
+            out[(r["model"], r["workload"], r["burst"])] = (r, f, d)
+    return out
 
 
 def serving_table(doc: Path) -> str:
+    sb = _serve_bench()
+    have = serving_rows()
     ms = lambda r, k: f"{r[k][0]:.0f} -> {r[k][1]:.0f}" if k in r else "-"  # noqa: E731
     lines = [
-        "| workload | burst | throughput | median TTFT | p99 TTFT | median TPOT | TTFT speed | JIT (elastic) "
-        "| queued ms | prefill ms | run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | burst | routing | throughput | median TTFT | p99 TTFT | median TPOT | TTFT speed | JIT (elastic) "
+        "| queued ms | prefill ms | target | | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    targets = []
-    for f, workloads in SERVING:
-        d = load(f)
-        for r in d["comparison"]:
-            if r["workload"] not in workloads:
-                continue
-            tpot = f"{r['median_tpot']:.2f}x" if r["median_tpot"] is not None else "-"
-            lines.append(
-                f"| {r['workload']} | {r['burst']} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
-                f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} | "
-                f"{ms(r, 'queue_ms')} | {ms(r, 'prefill_ms')} | {_link(f, doc)} at {_serve_commit(d, r['workload'])} |"
-            )
-        targets += [
-            f"| {t['what']} | {t['value']} | {met(t['met'])} | {_link(f, doc)} at {_serve_commit(d, _target_workload(t))} |"
-            for t in d["targets"]
-            if _target_workload(t) in workloads
-        ]
-    lines += ["", "| target | measured | | run |", "|---|---|---|---|", *targets]
+    for labels, workloads in sb.REPORTED:
+        for w in workloads:
+            for burst in ("cold", "warm"):
+                for label in labels:
+                    t = sb.target_of(label, w, burst)
+                    goal = t[0] if t else "-"
+                    routing = sb.routing_of(label, w, sb.WORKLOADS)
+                    if (label, w, burst) not in have:
+                        lines.append(f"| {w} | {burst} | {routing} |{' - |' * 8} {goal} | not measured | - |")
+                        continue
+                    r, f, d = have[(label, w, burst)]
+                    tpot = f"{r['median_tpot']:.2f}x" if r["median_tpot"] is not None else "-"
+                    status = met(t[1](r)) if t else "-"
+                    lines.append(
+                        f"| {w} | {burst} | {routing} | {r['throughput']:.2f}x | {r['median_ttft']:.2f}x | "
+                        f"{r['p99_ttft']:.2f}x | {tpot} | {r['ttft_speedup']:.2f}x | {r['jit_elastic']} | "
+                        f"{ms(r, 'queue_ms')} | {ms(r, 'prefill_ms')} | {goal} | {status} | "
+                        f"{_link(f, doc)} at {_serve_commit(d, w)} |"
+                    )
     return "\n".join(lines) + "\n"
 
 
@@ -332,8 +349,11 @@ def cpu_rows() -> list[Row]:
 
 
 # --- correctness checks --------------------------------------------------------------------------------------
+# check_kernels.py runs, one row each (a kernel change is checked on whichever GPU the session got)
+CHECK_KERNELS = ("check-kernels-h200.json", "check-kernels-h100.json")
+
+
 def check_rows() -> list[Row]:
-    c = load("check-kernels-h200.json")
     v = load("check-vllm-h200.json")
     # a later run's result of a check wins; a check a run asked for but did not run ('not_run': an environment
     # failure, a timeout) keeps its earlier result, and is named as not run at that commit
@@ -345,14 +365,18 @@ def check_rows() -> list[Row]:
     vllm = "; ".join(f"{n} {'pass' if r['ok'] else 'FAIL'} at {at}" for n, (r, at) in latest.items())
     vllm += "".join(f"; not run at {at}: {', '.join(names)}" for at, names in skipped.items())
     tp = load("check-tp-h200x2.json")
-    return [
+    kernel_rows = [
         (
             "Kernel correctness against the PyTorch references",
-            c["env"]["gpu"],
-            f"{sum(r['ok'] for r in c['results'])} / {len(c['results'])} checks pass (prefill, XAttention, decode, "
-            f"CUDA graph replay, router) at {c['env']['git_commit'][:7]}",
-            "check-kernels-h200.json",
-        ),
+            k["env"]["gpu"],
+            f"{sum(r['ok'] for r in k['results'])} / {len(k['results'])} checks pass (prefill, XAttention, decode, "
+            f"CUDA graph replay, router) at {k['env']['git_commit'][:7]}",
+            f,
+        )
+        for f, k in ((f, load(f)) for f in CHECK_KERNELS)
+    ]
+    return [
+        *kernel_rows,
         (
             "vLLM checks on the GPU (demo model + Llama-3.1-8B shape)",
             f"{v['runs'][0]['env']['gpu']}, vLLM {v['runs'][0]['env']['vllm']}",
@@ -597,6 +621,18 @@ def budgets_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+SERVED_GENERALIZATION = "generalization-served-smollm2-cpu/results.json"
+
+
+def served_generalization_table() -> str:
+    """The served generalization suite's per-family table and its summary (``eval/served.py`` renders both)."""
+    sys.path.insert(0, str(ROOT))
+    from elastic_vllm.eval.served import family_table, summary_lines
+
+    res = load(SERVED_GENERALIZATION)
+    return family_table(res) + "\n" + "\n".join(summary_lines(res)) + "\n"
+
+
 # --- the README's headline -----------------------------------------------------------------------------------
 def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
     """At most 8 rows: what, result, file (or files)."""
@@ -606,7 +642,8 @@ def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
     tt = {(r["len"], r["variant"]): r for r in e["summary"]["ttft_speedup"] if r["budget_tokens"] == 16384}
     v = "elastic FA-SSA share 0.75"
     dc = {(r["ctx"], r["batch"], r["decode_mode"]): r for r in load("e2e-vllm-h200-llama-decode-bs128.json")["summary"]["decode_speedup"]}  # fmt: skip
-    sv = serving_rows()
+    sv = {(w, b): r for (label, w, b), (r, _, _) in serving_rows().items() if label == "llama"}
+    sv_file = {w: f for (label, w, b), (_, f, _) in serving_rows().items() if label == "llama" and b == "warm"}
     ruler = load("accuracy-smollm2-h200/results.json")["targets"][0]  # >= 97% of dense at Omega_MSR >= 0.5
     m = load("router-train-smollm2-h200/measure.json")
     c = load("check-kernels-h200.json")["results"]
@@ -630,12 +667,13 @@ def headline_rows() -> list[tuple[str, str, str | tuple[str, ...]]]:
             "e2e-vllm-h200-llama-decode-bs128.json",
         ),
         (
-            "`vllm serve` + `vllm bench serve` vs FLASH_ATTN, warm bursts, Omega_MSR 0.75 (H200)",
+            "`vllm serve` + `vllm bench serve` vs FLASH_ATTN, warm bursts, Omega_MSR 0.75 (whole layers SA)",
             "; ".join(
-                f"{label} throughput {sv[(w, 'warm')]['throughput']:.2f}x, TTFT speed {sv[(w, 'warm')]['ttft_speedup']:.2f}x"
+                f"{label} throughput {sv[(w, 'warm')]['throughput']:.2f}x, TTFT speed {sv[(w, 'warm')]['ttft_speedup']:.2f}x "
+                f"({_gpu_of(sv_file[w])})"
                 for label, w in (("1K", "1k"), ("32K", "32k"), ("128K", "128k"), ("all-FA 32K", "fa32k"))
             ),
-            tuple(f for f, _ in SERVING),  # 1K from the first, the others from the second
+            tuple(dict.fromkeys(sv_file[w] for w in ("1k", "32k", "128k", "fa32k"))),  # the files of those rows
         ),
         (
             "RULER at 8K, SmolLM2-135M, router s040: share of dense, Omega_MSR",
@@ -773,6 +811,7 @@ SECTIONS = {  # (file, name) -> the section's text, given the file
     (DOCS / "training.md", "routers"): lambda doc: results_table(router_rows(), doc),
     (DOCS / "accuracy.md", "accuracy"): lambda doc: results_table(accuracy_rows(), doc),
     (DOCS / "accuracy.md", "budgets"): lambda doc: budgets_table(),
+    (DOCS / "accuracy.md", "generalization"): lambda doc: served_generalization_table(),
 }
 
 

@@ -20,9 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from _harness import ROOT, provenance, write_json
-
-sys.path.insert(0, str(ROOT))
+from _harness import provenance, write_json
 
 from elastic_vllm.sparsity import causal_pairs, ssa_visible_pairs
 

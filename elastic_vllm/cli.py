@@ -4,6 +4,9 @@ Each subcommand is a pair ``_<name>_args(parser)`` / ``_<name>(args) -> int`` re
 COMMANDS; heavy imports stay inside the functions, and only the chosen subcommand's options are
 registered, so ``--help`` is instant (no torch import).
 
+Why one file of ~440 lines: the subcommands' pairs are a few lines each and sit beside the one COMMANDS table
+that registers them; the work they start lives in the package.
+
 Errors: a known failure (invalid configuration, missing file, bad router checkpoint, missing
 package, ...) prints ``elastic-vllm: error: <what> (fix: <how>)`` on one line and exits with 2; a
 longer message (e.g. a server's log tail) goes to a file named in that line. ``--debug`` or
@@ -72,6 +75,34 @@ def _convert(a: argparse.Namespace) -> int:
     return 0
 
 
+# --- router-rank ---------------------------------------------------------------------------
+def _router_rank_args(p: argparse.ArgumentParser) -> None:
+    from elastic_vllm.train.ranking import DEFAULT_LENGTHS, DEFAULT_PER_LENGTH, DEFAULT_SEED
+
+    p.add_argument("router", help="router folder (router.json + router.safetensors); its router.json is updated")
+    p.add_argument("--model", required=True, help="the router's backbone: a transformers model folder")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="prompt lengths in tokens")
+    p.add_argument("--per-length", type=int, default=DEFAULT_PER_LENGTH, help="calibration prompts per length")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="calibration prompts' seed")
+    p.add_argument("--haystack", help="text file to hide the needles in (default: RULER's essays, second half)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (float32 either way)")
+
+
+def _router_rank(a: argparse.Namespace) -> int:
+    from elastic_vllm.train.ranking import rank_router
+
+    ranking = rank_router(
+        a.router, a.model, a.lengths, a.per_length, a.seed, a.haystack, a.device,
+        log=lambda m: print(m, file=sys.stderr),
+    )  # fmt: skip
+    flat = sorted(
+        ((v, (layer, h)) for layer, row in enumerate(ranking.scores) for h, v in enumerate(row)), reverse=True
+    )
+    print(json.dumps({"router": a.router, "calibration": ranking.calibration, "top": [
+        {"layer": layer, "kv_head": h, "score": round(v, 4)} for v, (layer, h) in flat[:10]]}))  # fmt: skip
+    return 0
+
+
 # --- serve ---------------------------------------------------------------------------------
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="model folder or id (default: the demo model, fetched on first use)")
@@ -79,7 +110,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from elastic_vllm.telemetry.serve import run_serve
+    from elastic_vllm.supervisor import run_serve
 
     return run_serve(a.model, list(a.vllm_args))
 
@@ -182,9 +213,30 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--needle-tokens", type=int, default=1500, help="length of the needle prompt")
 
 
+def _check_demo_router(router: str, force: str) -> None:
+    """The router of ``--router`` against the demo model, as the server will check it, before anything is served
+    (the server's refusal came ~10 s later and named elastic.router_path, the server's field, not --router)."""
+    fix = (
+        "pass a router folder (router.json + router.safetensors) trained for the demo model, as "
+        "`elastic-vllm train-router` or `elastic-vllm convert` write it, or leave --router out for the shipped one"
+    )
+    if not Path(router).is_dir():  # before the checkpoint loader's torch import (seconds)
+        raise CLIError(f"--router {router}: no such folder", fix)
+    from elastic_vllm.models import fetch_demo_model
+    from elastic_vllm.vllm_plugin.precheck import check_serve_args
+
+    additional = json.dumps({"elastic": {"force": force, "router_path": router}})
+    try:
+        check_serve_args(str(fetch_demo_model(quiet=True)), ["--additional-config", additional])
+    except ValueError as e:  # RouterCheckpointError, ConfigError
+        raise CLIError(f"--router {router}: {e}", fix) from None
+
+
 def _demo(a: argparse.Namespace) -> int:
     from elastic_vllm.demo import run_demo
 
+    if a.router is not None:
+        _check_demo_router(a.router, a.force)
     rows = run_demo(a.router, a.force, a.needle_tokens)
     return 0 if all(r.get("correct", True) and r["omega_msr"] is not None for r in rows) else 1
 
@@ -196,6 +248,11 @@ COMMANDS = {
         _fetch_model,
     ),
     "convert": ("convert the authors' router checkpoint into elastic-vllm's format", _convert_args, _convert),
+    "router-rank": (
+        "measure a router backbone's retrieval-head ranking and store it in the router (for `fa_floor`)",
+        _router_rank_args,
+        _router_rank,
+    ),
     "demo": (
         "the main job: serve the demo model with elastic attention, send three kinds of requests, show the routing",
         _demo_args,
@@ -300,7 +357,7 @@ def explain(e: BaseException, cmd: str | None = None) -> tuple[str, str]:
     if isinstance(e, CLIError):
         return e.what, e.fix
     if _instance_of(e, "elastic_vllm.server", "ServeError"):
-        from elastic_vllm.telemetry.serve import fix_for
+        from elastic_vllm.supervisor import fix_for
 
         return e.cause, f"{fix_for(e.cause)}; the full server log is {e.log_path}"
     config_fix = "correct the field named above; every field with its type and default: docs/configuration.md"

@@ -42,6 +42,13 @@ MAX_XATTN_BLOCK = 4096
 # |sa_margin| bound: the shipped SmolLM2 router's logit differences z_FA - z_SA reach -737 / +141 on prompts of
 # the generalization split (code/system, chat/after; float32 on the CPU), so 1024 already routes every head FA
 SA_MARGIN_MAX = 1024.0
+# The fail-safe floor's default (fa_floor unset): this share of (layer, KV head) pairs stays FA where the router
+# holds a retrieval ranking (18 of SmolLM2's 90, which hold 95% of its needle attention mass). Measured through
+# `elastic-vllm serve` on held-out families (benchmarks/results/generalization-served-smollm2-cpu): the shipped
+# router alone found a number in documentation 35% / in Python source 65% of the time (dense 100% / 95%) at
+# Omega_MSR 0.94-0.98 and lost up to 0.31 nats on continuations; with this floor 100% / 95% at 0.75-0.79, every
+# counted family at >= 93% of dense, continuations within 0.03 nats of dense at mean Omega_MSR 0.69.
+FA_FLOOR_DEFAULT: float = 0.2
 # |bias| bound (deployment `bias`, per-request `elastic_bias`, load policy `max_bias`): the same logit scale as
 # sa_margin, so 1024 already routes every head of the shipped router either way
 BIAS_MAX = SA_MARGIN_MAX
@@ -211,6 +218,36 @@ class ElasticConfig(BaseModel):
         "budget); `null` = the router decides alone; a request's `elastic_bias` / `elastic_target_omega` replaces it",
     )
     load_policy: LoadPolicy = Field(default_factory=lambda: LoadPolicy())
+    # The fail-safe floor: the KV heads that carry retrieval (the router checkpoint's ranking, router.json
+    # "retrieval") run FA in auto routing whatever the router and the bias decide. On a retrieval prompt unlike
+    # the training mixture the shipped SmolLM2 router found 2 / 10 answers at Omega_MSR 0.96; its 9 (of 90) heads
+    # of the highest static retrieval scores forced FA found 9 / 10 at 0.86 (dense: 10 / 10). Default:
+    # FA_FLOOR_DEFAULT, with its measurement.
+    fa_floor: int | float | None = Field(
+        None,
+        description="fail-safe floor: the KV heads ranked highest for retrieval by the router checkpoint (attention "
+        "mass on needle tokens under dense attention) always run FA in `auto` routing, whatever the router and the "
+        "bias decide (they count in Omega_MSR as FA); an int >= 0 is a count of heads, a float in (0, 1) a share "
+        "of all (layer, KV head) pairs (rounded half up); `0` = off; unset (null): the default share "
+        f"{FA_FLOOR_DEFAULT} where the router holds a ranking, off where it holds none. A request's `elastic_force` overrides it; with "
+        "a fixed SA budget (`target_omega`, `elastic_target_omega`) the count stays exact and the floor's heads "
+        "are the last to go SA. Needs a router with a ranking (`elastic-vllm router-rank ROUTER_DIR --model "
+        "MODEL_DIR` adds one)",
+    )
+
+    @field_validator("fa_floor", mode="before")
+    @classmethod
+    def _floor(cls, v: Any) -> Any:
+        # an int is a count, a float a share: 9.0 would be ambiguous, and True would silently become 1
+        if v is None:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"must be a number (a count of heads or a share in (0, 1)), got {type(v).__name__}")
+        if isinstance(v, int) and v < 0:
+            raise ValueError("a count of heads must be >= 0")
+        if isinstance(v, float) and not 0.0 < v < 1.0:
+            raise ValueError("a share of heads must be in (0, 1) (an int for a count, 0 for off)")
+        return v
 
     @field_validator("sa_margin", "bias", "target_omega", mode="before")
     @classmethod

@@ -29,7 +29,7 @@ def free_port() -> int:
 
 class ServeError(RuntimeError):
     """``elastic-vllm serve`` stopped (or never came up): ``cause`` is the log line saying why
-    (:func:`telemetry.serve.root_cause`), ``log_path`` the whole log (kept)."""
+    (:func:`supervisor.root_cause`), ``log_path`` the whole log (kept)."""
 
     def __init__(self, what: str, cause: str, log_path: Path, tail: str = ""):
         super().__init__(f"{what}: {cause} (full log: {log_path})" + (f"\n{tail}" if tail else ""))
@@ -118,7 +118,7 @@ class ServeProcess:
             time.sleep(2)
 
     def _error(self, what: str) -> ServeError:
-        from elastic_vllm.telemetry.serve import root_cause
+        from elastic_vllm.supervisor import root_cause
 
         log = self.log_path.read_text(errors="replace")
         return ServeError(what, root_cause(log) or "no error line in the log", self.log_path, log[-4000:])

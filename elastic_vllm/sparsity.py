@@ -36,6 +36,11 @@ def ssa_visible_pairs(length: int, sink: int, window: int) -> int:
     return in_window + in_sink
 
 
+def decode_visible_tokens(length: int, sink: int, window: int) -> int:
+    """Keys an SSA head reads for the query at position length-1: j < sink or j >= length - window."""
+    return min(length, min(sink, length) + min(window, length) - max(0, min(sink, length) - max(length - window, 0)))
+
+
 def xa_visible_pairs(block_mask: torch.Tensor, length: int, block: int) -> int:
     """Causal pairs inside the selected blocks of a bool [nb, nb] block mask at ``length``."""
     pos = torch.arange(length, device=block_mask.device)

@@ -203,3 +203,54 @@ def test_bench_returns_the_scripts_exit_code(tmp_path, monkeypatch):
 def test_benchmarks_dir_is_this_checkout():
     assert cli.benchmarks_dir() == ROOT / "benchmarks"
     assert json.dumps(sorted(cli.BENCHMARKS)) == json.dumps(["accuracy", "cpu-serving", "e2e", "kernels"])
+
+
+SMOLLM2_CONFIG = ROOT / "tests" / "reliability" / "smollm2_config.json"  # the demo model's shape
+
+
+@pytest.fixture
+def demo_model_config(monkeypatch, tmp_path):
+    """The demo model as a folder holding only its config.json (what the router check reads); run_demo must not run."""
+    import elastic_vllm.demo
+    import elastic_vllm.models
+
+    model = tmp_path / "demo-model"
+    model.mkdir()
+    (model / "config.json").write_text(SMOLLM2_CONFIG.read_text())
+    monkeypatch.setattr(elastic_vllm.models, "fetch_demo_model", lambda *a, **k: model)
+
+    def served(*a, **k):
+        raise AssertionError("the demo served with a bad --router")
+
+    monkeypatch.setattr(elastic_vllm.demo, "run_demo", served)
+    return model
+
+
+@pytest.mark.parametrize(
+    "make,needles",
+    [
+        (lambda tmp: "/nonexistent", ["--router /nonexistent: no such folder"]),
+        (lambda tmp: tmp / "empty", ["--router ", "/empty: router checkpoint ", "has no router.json"]),
+    ],
+)
+def test_demo_refuses_a_bad_router_before_serving_naming_its_flag(demo_model_config, capsys, tmp_path, make, needles):
+    """`elastic-vllm demo --router BAD` used to serve for 10 s, then name the server's elastic.router_path."""
+    router = make(tmp_path)
+    if router != "/nonexistent":
+        router.mkdir()
+    assert main(["demo", "--router", str(router)]) == 2
+    line = assert_one_line_error(capsys.readouterr().err, *needles, "leave --router out for the shipped one")
+    assert "router_path" not in line, line
+
+
+def test_demo_accepts_the_shipped_router_as_its_router(demo_model_config, monkeypatch):
+    import elastic_vllm.demo
+
+    monkeypatch.setattr(elastic_vllm.demo, "run_demo", lambda *a: [{"omega_msr": 0.5}])
+    assert main(["demo", "--router", str(ROOT / "router_weights" / "smollm2-135m-instruct")]) == 0
+
+
+def test_importing_the_package_does_not_import_pydantic():
+    probe = "import sys, elastic_vllm\nprint('PYDANTIC', 'pydantic' in sys.modules)\nelastic_vllm.ElasticConfig()"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "PYDANTIC False" in out.stdout and out.returncode == 0, out.stdout + out.stderr

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from testlib import assert_needle_answered
 
 from elastic_vllm.models import GGUF_SHA256, MARKER, FetchError, fetch_demo_model
 from elastic_vllm.router.checkpoint import BackboneShape
@@ -37,13 +38,6 @@ def test_config_shape(demo_model_dir):
 def test_needle_answered_with_all_heads_fa(demo_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from elastic_vllm.eval.needle import make_needle_prompt
-
     tok = AutoTokenizer.from_pretrained(demo_model_dir)
     model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
-    p = make_needle_prompt(tok, 1000, depth=0.4, seed=3)
-    ids = tok(p.text(tok), return_tensors="pt", add_special_tokens=False)
-    assert 900 < ids["input_ids"].shape[1] < 1100
-    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert p.answer in answer
+    assert_needle_answered(model, tok)

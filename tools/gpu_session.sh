@@ -5,16 +5,20 @@
 #                                           # one call with the tree) to /tmp/stage; .gpu-carry (router data) when
 #                                           # carried (mind the 64 MiB per call), 2 installs .whl/gguf
 #   bash tools/gpu_session.sh unpack      # unpack vLLM to /tmp/vsite, convert the demo model (from the carried GGUF)
-#   bash tools/gpu_session.sh check_train # check_vllm.py (P4) and router training (P3) side by side
+#   bash tools/gpu_session.sh check_train # tests/gpu/test_gpu_vllm.py and router training side by side
 #   bash tools/gpu_session.sh e2e         # benchmarks/e2e_vllm.py (P7): E2E_JOBS, the jobs that fit this call
 #   bash tools/gpu_session.sh eval        # benchmarks/accuracy.py (P6) with the router trained in check_train
 #   bash tools/gpu_session.sh gguf_part   # no vLLM: the eval's model in pieces (tools/gpu_gguf.sh builds
 #   bash tools/gpu_session.sh eval_gguf   # .gpu-gguf/p1..p3), one call per piece (carry .gpu-gguf/pN), the last
 #                                           # with eval_gguf (carry .gpu-gguf/p3 .whl): ~2 min less than staging vLLM
-#   bash tools/gpu_session.sh generalization  # eval --suite generalization (held-out families) of ROUTERS
+#   bash tools/gpu_session.sh generalization  # eval --suite generalization-split (held-out families of the split) of ROUTERS
 #                                           # (space-separated folders, run side by side on the GPU), MARGINS
-#   bash tools/gpu_session.sh kernels     # tests/gpu/check_kernels.py + benchmarks/kernels.py (P2); SECTIONS / QUICK
-#   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's csrc/ (tools/ab_prep.sh)
+#   bash tools/gpu_session.sh kernels     # tests/gpu/test_gpu_kernels.py + benchmarks/kernels.py; SECTIONS / QUICK
+#   bash tools/gpu_session.sh tune        # tools/tune_kernels.py: prefill tiles, decode splits and tiles; SECTIONS
+#   bash tools/gpu_session.sh fa_split    # benchmarks/fa_split.py: hybrid prompt steps, fused kernel vs FA heads on
+#                                           # vLLM's FA3 (after staging); FA_SPLIT_SHAPES, FA_SPLIT_SHARES
+#   bash tools/gpu_session.sh serve       # benchmarks/serve_bench.py: SERVERS, WORKLOADS, SB_MML, MERGE, SB_NAME
+#   bash tools/gpu_session.sh ab          # kernels.py on this tree and on another commit's kernels (tools/ab_prep.sh)
 #   bash tools/gpu_session.sh budgets     # eval --suite budgets (= elastic-vllm eval) of the demo model and ROUTER
 #                                           # (default: the shipped one): score vs realized Omega_MSR; SAMPLES, BUDGET
 #   bash tools/gpu_session.sh ramp        # benchmarks/load_ramp.py (P15): load policy off vs on, request-rate steps
@@ -27,7 +31,7 @@
 #   VARIANT_A / VARIANT_B start detached on GPU $TRAIN_GPU from a copy of the tree (/tmp/tree-train);
 #   stage 1..5 + unpack; check (CHECKS on GPU 0); collect_train (waits, tars, picks /tmp/router);
 #   fsdp (torchrun over both GPUs with VARIANT_A's recipe and step count, compared with run A) + tp
-#   (tests/gpu/check_tp.py); eval_bg (accuracy on GPU 1, detached) + e2e; collect_eval.
+#   (tests/gpu/test_gpu_tp.py); eval_bg (accuracy on GPU 1, detached) + e2e; collect_eval.
 # Results go to $OUT; GIT_COMMIT must be set by the caller (the device gets the tree without .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,10 +39,14 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export VLLM_USE_FLASHINFER_SAMPLER=0 ELASTIC_VLLM_CACHE=/tmp/evc
 # the lent multi-GPU machines' policy: NVLink multicast stays off
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD
+# tools/device_site (a pydantic stand-in for the image, which has none) last: a staged vLLM's real one comes first
+export PYTHONPATH=/tmp/vsite:/tmp/gsite:$PWD:$PWD/tools/device_site
 GGUF=${GGUF:-/tmp/stage/extra/SmolLM2-135M-Instruct.Q4_1.gguf}
 OUT=${OUT:-/tmp/out}
 GG=${GG_DIR:-/tmp/gg}  # the GGUF's pieces (tools/gpu_gguf.sh) gathered over several calls
+# the router data the training steps read: .gpu-carry/router-data, or with DATA_VERSION=4 .gpu-carry/router-data-v4
+# (`elastic-vllm build-data --version 4`, the balanced mixture; gpu_train_smollm2.sh checks its manifest's version)
+RDATA=/tmp/gpucarry/router-data${DATA_VERSION:+-v$DATA_VERSION}
 gguf_collect() {  # this call's pieces of .gpu-gguf/* to $GG; a piece's wheels (whl/) to /tmp/gsite
   mkdir -p "$GG"
   for d in .gpu-gguf/*/; do
@@ -48,6 +56,25 @@ gguf_collect() {  # this call's pieces of .gpu-gguf/* to $GG; a piece's wheels (
   done
 }
 gguf_join() { mkdir -p "$(dirname "$GGUF")" && cat "$GG"/gg.* > "$GGUF"; }  # pieces in name order
+# the GPU tests (pytest, gpu-marked), their rows to a JSON file, within a time limit: gpu_tests SECONDS FILE JSON
+# [pytest args...]. --confcutdir: tests/gpu/conftest.py only, not tests/conftest.py (the CPU tests' interpreter default
+# and their installs check, which this image does not pass)
+gpu_tests() {
+  local t=$1 f=$2 json=$3; shift 3
+  TRITON_INTERPRET=0 timeout "$t" python3 -m pytest -p no:cacheprovider --confcutdir tests/gpu -q -rfEs "tests/gpu/$f" \
+    --gpu-out "$json" "$@" \
+    2>&1 | grep -vE "^(INFO|DEBUG|WARNING|\(EngineCore|\(Worker)" | tail -40 || true
+}
+# the vLLM tests named in CHECKS (comma list), one process each (a second engine in one process broke CUDA graph
+# capture), the rows joined in one JSON, within SECONDS for all: vllm_tests SECONDS JSON
+vllm_tests() {
+  local end=$((SECONDS + $1)) json=$2 c
+  rm -f "$json"
+  for c in ${CHECKS//,/ }; do
+    [ $SECONDS -lt "$end" ] || { echo "time limit: $c not run"; continue; }
+    gpu_tests $((end - SECONDS)) test_gpu_vllm.py "$json" --gpu-append -k "$c" --model "$M"
+  done
+}
 demo() { python3 -c "from elastic_vllm.models import fetch_demo_model; print(fetch_demo_model(gguf='$GGUF', quiet=True))"; }
 step=${1:?step}
 case "$step" in
@@ -79,13 +106,13 @@ case "$step" in
     gguf_collect
     if [ "${2:-}" != run ]; then ls -la "$GG"; exit 0; fi
     gguf_join
-    PYTHONPATH=$PWD MEASURE=1 bash tools/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data "$OUT" ;;
+    PYTHONPATH=$PWD MEASURE=1 bash tools/gpu_train_smollm2.sh "$GGUF" "$RDATA" "$OUT" ;;
   train_bg)
     # the GGUF's last piece arrives now (or vLLM's staging brought it); the recipes start detached (they
     # outlive this call) on one GPU
     [ -f "$GGUF" ] || { gguf_collect; gguf_join; }
     [ -d .gpu-carry ] && rm -rf /tmp/gpucarry && cp -r .gpu-carry /tmp/gpucarry
-    rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm csrc scripts tools .whl pyproject.toml /tmp/tree-train/
+    rm -rf /tmp/tree-train && mkdir -p /tmp/tree-train && cp -r elastic_vllm scripts tools .whl pyproject.toml /tmp/tree-train/
     # the trainers' own site (pydantic, gguf) and the model converted once, before they start (no races)
     [ -n "${LOCAL_DRY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/elastic-site .whl/*.whl
     export PYTHONPATH=/tmp/elastic-site${TRAIN_SITE:+:$TRAIN_SITE}:$PWD; M=$(demo); echo "model $M"
@@ -94,7 +121,7 @@ case "$step" in
       rm -rf /tmp/train$v /tmp/work$v
       # setsid -f: a new session (it outlives this call), the launching subshell returns at once
       (cd /tmp/tree-train && PYTHONPATH=/tmp/elastic-site${TRAIN_SITE:+:$TRAIN_SITE} CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-1} exec setsid -f env $vars \
-        MEASURE=1 WORK=/tmp/work$v bash -c "bash tools/gpu_train_smollm2.sh $GGUF /tmp/gpucarry/router-data /tmp/train$v; \
+        MEASURE=1 WORK=/tmp/work$v bash -c "bash tools/gpu_train_smollm2.sh $GGUF $RDATA /tmp/train$v; \
         echo train rc=\$? > /tmp/train$v.rc") > /tmp/train$v.log 2>&1 < /dev/null
       echo "started $v: $vars"
     done
@@ -104,9 +131,8 @@ case "$step" in
     ls /tmp/*.rc 2>/dev/null; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader ;;
   check)
     M=$(demo)
-    CUDA_VISIBLE_DEVICES=${CHECK_GPU:-0} timeout ${CHECK_TIMEOUT:-480} python3 tests/gpu/check_vllm.py --model "$M" \
-      --out "$OUT/check_vllm.json" --checks ${CHECKS:-all_fa,graphs,needle,batch,long,metrics} 2>&1 \
-      | grep -vE "^(INFO|DEBUG|\(EngineCore)" | tail -40 || true
+    CHECKS=${CHECKS:-all_fa,graphs,needle,batch,long,metrics} CUDA_VISIBLE_DEVICES=${CHECK_GPU:-0} \
+      vllm_tests ${CHECK_TIMEOUT:-480} "$OUT/check_vllm.json"
     bash "$0" bg_status ;;
   collect_train)
     # wait for the detached trainers (at most WAIT_S), bring back their files, pick the router
@@ -125,15 +151,14 @@ case "$step" in
     rm -rf /tmp/fsdp /tmp/work-fsdp
     env ${VARIANT_A:-} STEPS=$steps TIME_BUDGET_S=${FSDP_BUDGET_S:-400} WORK=/tmp/work-fsdp \
       LAUNCH="torchrun --standalone --nproc_per_node 2" bash tools/gpu_train_smollm2.sh "$GGUF" \
-      /tmp/gpucarry/router-data /tmp/fsdp > "$OUT/fsdp.log" 2>&1 || echo "fsdp rc=$?" | tee -a "$OUT/fsdp.log"
+      "$RDATA" /tmp/fsdp > "$OUT/fsdp.log" 2>&1 || echo "fsdp rc=$?" | tee -a "$OUT/fsdp.log"
     tail -n 16 "$OUT/fsdp.log"
     python3 tools/compare_train_runs.py /tmp/trainA /tmp/fsdp --out /tmp/fsdp/compare.json --world-run 2 \
       ${REF_SHARED:+--ref-shared} || true
     tar -C /tmp -czf "$OUT/fsdp.tgz" fsdp ;;
   tp)
     M=$(demo)
-    timeout ${TP_TIMEOUT:-360} python3 tests/gpu/check_tp.py --model "$M" --out "$OUT/check_tp.json" --time-budget ${TP_BUDGET:-320} 2>&1 \
-      | grep -vE "^(INFO|DEBUG|\(EngineCore|\(Worker)" | tail -40 || true ;;
+    gpu_tests ${TP_TIMEOUT:-360} test_gpu_tp.py "$OUT/check_tp.json" --model "$M" --tp-time-budget ${TP_BUDGET:-320} ;;
   eval_bg)
     M=$(demo)
     rm -rf /tmp/acc /tmp/eval.rc
@@ -154,12 +179,11 @@ case "$step" in
     for v in A B; do
       eval "vars=\${VARIANT_$v:-}"
       (env $vars STEPS=${STEPS:-600} TIME_BUDGET_S=${TIME_BUDGET_S:-170} MEASURE=1 NEEDLE_PER_LENGTH=${NEEDLE_PER_LENGTH:-10} \
-        WORK=/tmp/work$v bash tools/gpu_train_smollm2.sh "$GGUF" /tmp/gpucarry/router-data /tmp/train$v > "$OUT/train$v.log" 2>&1;
+        WORK=/tmp/work$v bash tools/gpu_train_smollm2.sh "$GGUF" "$RDATA" /tmp/train$v > "$OUT/train$v.log" 2>&1;
         echo "train rc=$? ($vars)" >> "$OUT/train$v.log"; tar -C /tmp -czf "$OUT/train$v.tgz" train$v) &
     done
     sleep ${CHECK_DELAY:-0}
-    timeout ${CHECK_TIMEOUT:-420} python3 tests/gpu/check_vllm.py --model "$M" --out "$OUT/check_vllm.json" \
-      --checks ${CHECKS:-all_fa,graphs,needle,batch,long} 2>&1 | grep -vE "^(INFO|DEBUG|\(EngineCore)" | tail -40 || true
+    CHECKS=${CHECKS:-all_fa,graphs,needle,batch,long} vllm_tests ${CHECK_TIMEOUT:-420} "$OUT/check_vllm.json"
     wait; tail -12 "$OUT/trainA.log" "$OUT/trainB.log"
     rm -rf /tmp/router; python3 tools/pick_router.py /tmp/router /tmp/trainA /tmp/trainB | tee "$OUT/pick.txt" ;;
   e2e)
@@ -179,14 +203,29 @@ case "$step" in
       ${METHODS:+--methods $METHODS} ${IMPL:+--impl $IMPL} 2>&1 | grep -v Warning | tail -40 ;;
   serve)
     # benchmarks/serve_bench.py: `vllm serve` + `vllm bench serve`, elastic vs FLASH_ATTN. SERVERS (comma list of
-    # llama-base, llama-elastic, demo-base, demo-elastic), WORKLOADS (what fits this call), MERGE (earlier outputs
-    # in /tmp/sb to keep), SB_NAME (the output's name). The plugin's entry point needs the tree pip-installed.
+    # llama-base, llama-elastic (whole layers SA), llama-mixed (2 FA + 6 SA heads a layer), llama-mixed50 (4 + 4),
+    # llama-elastic-kernels, demo-base, demo-elastic), WORKLOADS (what fits this call), SB_MML (the Llama servers'
+    # max_model_len: the same in every call whose rows are compared; default the longest workload's), MERGE
+    # (earlier outputs in /tmp/sb to keep), SB_NAME (the output's name), SERVE_TIMEOUT (540 s, then SIGINT: the
+    # server stops, the bursts done stay in the output, written after each). The plugin's entry point needs the
+    # tree pip-installed.
     M=$(demo)
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/pip-e.log 2>&1 || { tail /tmp/pip-e.log; exit 1; }
     mkdir -p /tmp/sb "$OUT"
-    python3 benchmarks/serve_bench.py --demo-model "$M" --servers "${SERVERS:?}" ${WORKLOADS:+--workloads $WORKLOADS} \
-      --out /tmp/sb/"${SB_NAME:-serve}".json ${MERGE:+--merge $MERGE} 2>&1 | tail -60 || true
+    timeout -s INT ${SERVE_TIMEOUT:-540} python3 benchmarks/serve_bench.py --demo-model "$M" --servers "${SERVERS:?}" \
+      ${WORKLOADS:+--workloads $WORKLOADS} ${SB_MML:+--max-model-len $SB_MML} --out /tmp/sb/"${SB_NAME:-serve}".json \
+      ${MERGE:+--merge $MERGE} 2>&1 | grep -vE "^(INFO|DEBUG|\(EngineCore|\(APIServer)" | tail -60 || true
     cp /tmp/sb/"${SB_NAME:-serve}".json /tmp/sb/"${SB_NAME:-serve}".md "$OUT/" ;;
+  fa_split)
+    # benchmarks/fa_split.py: one layer's hybrid prompt step (1K-8K prompts, 8 x 1K, the last 8K chunk of 16K-128K
+    # contexts) at SA shares 0-1, the fused kernel for every head against the FA heads on vLLM's FA3 (one call per
+    # KV head) + the fused kernel for the SA heads; each split output checked against the fused one before it is
+    # timed. FA_SPLIT_SHAPES (llama,demo), FA_SPLIT_SHARES, FA_SPLIT_NAME; FA_SPLIT_TIMEOUT (540 s, then SIGINT:
+    # the file holds every case done). Back: OUT/<name>.json
+    mkdir -p "$OUT"
+    timeout -s INT ${FA_SPLIT_TIMEOUT:-540} python3 benchmarks/fa_split.py --out "$OUT/${FA_SPLIT_NAME:-fa-split}.json" \
+      ${FA_SPLIT_SHAPES:+--shapes $FA_SPLIT_SHAPES} ${FA_SPLIT_SHARES:+--shares $FA_SPLIT_SHARES} 2>&1 \
+      | grep -vE "Warning|^\[" | tail -80 || true ;;
   budgets)
     # `elastic-vllm eval --suite budgets` (its harness through benchmarks/accuracy.py, as the eval steps: runs from the
     # bare tree): accuracy vs realized Omega_MSR at fixed SA budgets, router-ranked vs static vs random heads. ROUTER
@@ -226,7 +265,7 @@ case "$step" in
     i=0
     for R in ${ROUTERS:?ROUTERS: router folders}; do
       i=$((i + 1)); name=$(basename "$R")
-      (python3 benchmarks/accuracy.py --suite generalization --model "$M" --router "$R" --out "/tmp/gen-$name" \
+      (python3 benchmarks/accuracy.py --suite generalization-split --model "$M" --router "$R" --out "/tmp/gen-$name" \
         --device cuda --samples ${SAMPLES:-8} ${MARGINS:+--margins $MARGINS} --time-budget ${BUDGET:-420} \
         > "/tmp/gen-$name.log" 2>&1; echo "rc=$?" >> "/tmp/gen-$name.log"
        tar -C /tmp -czf "$OUT/gen-$name.tgz" "gen-$name" "gen-$name.log") &
@@ -234,26 +273,28 @@ case "$step" in
     wait
     for R in $ROUTERS; do tail -n 45 "/tmp/gen-$(basename "$R").log"; done ;;
   kernels)
-    timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check_kernels.json" 2>&1 | tail -40 || true
+    gpu_tests ${CHECK_TIMEOUT:-200} test_gpu_kernels.py "$OUT/check_kernels.json"
     # the whole grid takes ~7 min on the H200: SECTIONS (kernels.py --sections) or QUICK=1 (--quick) split it;
     # KERNEL_BENCH=0: the checks only
     [ "${KERNEL_BENCH:-1}" = 0 ] || python3 benchmarks/kernels.py --out "$OUT/kernels.json" \
       ${SECTIONS:+--sections "$SECTIONS"} ${QUICK:+--quick} 2>&1 | tail -45 ;;
+  tune)
+    python3 tools/tune_kernels.py --out "$OUT/tune.json" ${SECTIONS:+--sections "$SECTIONS"} 2>&1 | tail -45 ;;
   ab)
-    # the kernels of this tree vs the csrc/ of another commit (`bash tools/ab_prep.sh REF`, carry .abtest), in
+    # the kernels of this tree vs the elastic_vllm/ops/ of another commit (`bash tools/ab_prep.sh REF`, carry .abtest), in
     # one call: same GPU, same clocks and power state. SECTIONS: kernels.py's --sections filter; CHECK_K: the
-    # GPU checks of this tree first (check_kernels.py -k); KERNELS_ARGS: more kernels.py flags (--quick, or
-    # --cpu-dry for a plumbing check). Back: kernels-tree.json, kernels-ref.json (env.csrc_sha256 names the
+    # GPU tests of this tree first (test_gpu_kernels.py -k); KERNELS_ARGS: more kernels.py flags (--quick, or
+    # --cpu-dry for a plumbing check). Back: kernels-tree.json, kernels-ref.json (env.ops_sha256 names the
     # sources each side timed), check-kernels-tree.json
     ab=${AB_DIR:-.abtest}
     [ -f "$ab/REF" ] || { echo "no $ab/REF: run tools/ab_prep.sh REF and carry .abtest"; exit 2; }
     ref=$(cat "$ab/REF")
     mkdir -p "$OUT"
     if [ -n "${CHECK_K:-}" ]; then
-      timeout ${CHECK_TIMEOUT:-200} python3 tests/gpu/check_kernels.py --out "$OUT/check-kernels-tree.json" \
-        -k "$CHECK_K" 2>&1 | tail -20 || true
+      gpu_tests ${CHECK_TIMEOUT:-200} test_gpu_kernels.py "$OUT/check-kernels-tree.json" -k "$CHECK_K"
     fi
-    rm -rf /tmp/ab-ref && mkdir -p /tmp/ab-ref && cp -r benchmarks tests elastic_vllm /tmp/ab-ref/ && cp -r "$ab/csrc" /tmp/ab-ref/
+    rm -rf /tmp/ab-ref && mkdir -p /tmp/ab-ref && cp -r benchmarks tests elastic_vllm /tmp/ab-ref/ \
+      && rm -rf /tmp/ab-ref/elastic_vllm/ops && cp -r "$ab/ops" /tmp/ab-ref/elastic_vllm/ops
     for side in tree ref; do
       dir=$PWD; commit=${GIT_COMMIT:-unknown}
       [ $side = ref ] && { dir=/tmp/ab-ref; commit=$ref; }

@@ -15,6 +15,7 @@
 # load + tokenizing ~15 s, the rest training; it stops early as a last resort, still writing the router),
 # MAX_TOKENS (4096: longer samples are skipped), MICROBATCH_TOKENS (32768 padded tokens per forward),
 # ROUTER_LR (2e-3), LAMBDA_LR (0.05), WARMUP (0.05), TARGET_ROBUST (1.0), TARGET_SENSITIVE (0.3),
+# DATA_VERSION (unset; 4: fail unless DATA_DIR/manifest.json says builder_version 4, the balanced mixture),
 # MEASURE (0), NEEDLE_PER_LENGTH (10), NEEDLE_LENGTHS (2048,...,6144), WORK (/tmp/elastic-router-train),
 # LAUNCH (python3; e.g. "torchrun --standalone --nproc_per_node 2": FSDP over the GPUs, BATCH split over them).
 # The defaults are the SHORT-RUN recipe (a few hundred steps in ~150 s; README.md "Short runs"): a
@@ -42,6 +43,10 @@ TARGET_ROBUST=${TARGET_ROBUST:-1.0}
 TARGET_SENSITIVE=${TARGET_SENSITIVE:-0.3}
 WORK=${WORK:-/tmp/elastic-router-train}
 T0=$(date +%s)
+if [ -n "${DATA_VERSION:-}" ]; then  # a router trained on the wrong mixture would look like a result
+  got=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['builder_version'])" "$DATA/manifest.json")
+  [ "$got" = "$DATA_VERSION" ] || { echo "DATA_VERSION=$DATA_VERSION but $DATA/manifest.json has builder_version $got" >&2; exit 2; }
+fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 need=()

@@ -2,7 +2,7 @@
 # A serving regression bisected on the GPU: the llama-elastic server of other commits, each with its own
 # benchmarks/serve_bench.py, in one device call after staging (same clocks as the current tree's run).
 #
-#   bash tools/serve_ab.sh prep REF...   # here: .abtest/trees/<sha>/ (the package, csrc/, benchmarks/*.py, setup)
+#   bash tools/serve_ab.sh prep REF...   # here: .abtest/trees/<sha>/ (the package with its kernels, benchmarks/*.py, setup)
 #   bash tools/serve_ab.sh run           # device (carry [".abtest"]): each tree's llama-elastic on WORKLOADS
 #                                        # (default 1k); OUT/serve-<sha>.json and .md
 set -euo pipefail
@@ -16,7 +16,7 @@ case "${1:?prep or run}" in
       mkdir -p ".abtest/trees/$sha"
       # the whole tree (an older serve_bench imports tests/gpu/_gpu_common.py; setup.py reads README.md) but the
       # results, data and router weights (~12 MB): the llama server's router is made by serve_bench itself
-      git archive "$sha" | tar -x -C ".abtest/trees/$sha" --exclude 'benchmarks/results' --exclude 'benchmarks/data' \
+      git archive "$sha" | tar -x -C ".abtest/trees/$sha" --exclude 'benchmarks/results' --exclude 'benchmarks/data' --exclude 'elastic_vllm/eval/data' \
         --exclude 'router_weights' --exclude 'docs'
       echo ".abtest/trees/$sha"
     done

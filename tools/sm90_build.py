@@ -105,7 +105,7 @@ def _schedule(sass: str) -> str:
 
 
 def prefill_rows() -> list[dict]:
-    from elastic_vllm.csrc import prefill as P
+    from elastic_vllm.ops.prefill import kernel as P
 
     got = _capture(P._prefill_kernel)
     rows = []
@@ -122,7 +122,7 @@ def prefill_rows() -> list[dict]:
         rows.append({"kernel": "_prefill_kernel", "block_size": bs, "tiles": "128x128",
                      "num_warps": 8, "shared_bytes": got["_prefill_kernel"].metadata.shared,
                      **_resources(got["_prefill_kernel"])})  # fmt: skip
-    # the tune candidate with two programs per SM (benchmarks/kernels.py TUNE_CANDIDATES): 64 x 64 tiles, 4 warps
+    # the tune candidate with two programs per SM (tools/tune_kernels.py TUNE_CANDIDATES): 64 x 64 tiles, 4 warps
     nb = S // 128 + 1
     kv = torch.empty(nb, 2, 128, hkv, d, dtype=torch.bfloat16)
     P.prefill_attention(
@@ -138,9 +138,8 @@ def prefill_rows() -> list[dict]:
 
 
 def router_rows() -> list[dict]:
-    from elastic_vllm.csrc import _common
-    from elastic_vllm.csrc import route as R
-
+    from elastic_vllm.ops import _common
+    from elastic_vllm.ops.route import kernel as R
     from elastic_vllm.router.model import ElasticRouter
 
     got = _capture(R._route_task_kernel, R._route_router_kernel)
@@ -162,8 +161,8 @@ def router_rows() -> list[dict]:
 
 def decode_rows() -> list[dict]:
     """The split-KV decode kernel and its merge kernel (a programmatic dependent launch on sm_90) at 32K x 16."""
-    from elastic_vllm.csrc import _common
-    from elastic_vllm.csrc import decode as D
+    from elastic_vllm.ops import _common
+    from elastic_vllm.ops.decode import kernel as D
 
     got = _capture(D._decode_kernel, D._decode_merge_kernel)
     _common.pdl_supported = lambda device: True

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from elastic_vllm.hf.integration import set_attn_implementation
+
 CALIB_IMPL = "elastic_calib"
 
 
@@ -110,16 +112,6 @@ def calibration_prompts(
     return rows
 
 
-def _set_impl(model, name: str) -> None:
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-        return
-    for m in model.modules():  # older transformers: the configs carry it
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = name
-
-
 @torch.no_grad()
 def retrieval_scores(model, tokenizer, records: list[dict], device=None, log=None) -> torch.Tensor:
     """Mean needle mass per KV head, float32 [L, H_kv], from calibration ``records`` (one forward each).
@@ -136,7 +128,7 @@ def retrieval_scores(model, tokenizer, records: list[dict], device=None, log=Non
     device = device or next(model.parameters()).device
     prev = model.config._attn_implementation
     total = torch.zeros(L, Hkv, dtype=torch.float64)
-    _set_impl(model, CALIB_IMPL)
+    set_attn_implementation(model, CALIB_IMPL)
     try:
         for n, r in enumerate(records):
             text = r["input"]
@@ -164,7 +156,7 @@ def retrieval_scores(model, tokenizer, records: list[dict], device=None, log=Non
                 log(f"calibration {n + 1}/{len(records)} ({P} tokens)")
     finally:
         _CURRENT = None
-        _set_impl(model, prev)
+        set_attn_implementation(model, prev)
     return (total / max(len(records), 1)).float()
 
 

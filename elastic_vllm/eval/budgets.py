@@ -22,23 +22,21 @@ samples.jsonl.gz and budgets.png (score vs realized Omega_MSR, per category, one
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from elastic_vllm.eval.engine import METHODS, HFEngine, Method, base_config, finite_mean, provenance
+from elastic_vllm.eval.engine import METHODS, HFEngine, Method, finite_mean
 from elastic_vllm.eval.generalization import (
     CATEGORIES,
-    GEN_DATA,
     _batches,
     _calib_rows,
-    load_rows,
+    open_split_run,
     score,
+    split_result_head,
     write_outputs,
 )
-from elastic_vllm.models import sha256_file
 from elastic_vllm.router.model import budget_sa_counts
 
 TARGETS = (0.25, 0.5, 0.75, 0.9)
@@ -85,22 +83,11 @@ def _run(engine: HFEngine, name: str, rows, texts, opts, cfg: dict, fixed=None, 
 
 def run(opts, argv: list[str] | None = None, log=print) -> dict:
     t_start = time.perf_counter()
-    device = torch.device(opts.device)
-    if not opts.router:
-        raise ValueError("--suite budgets needs the trained router (--router DIR)")
     targets = list(getattr(opts, "targets", None) or TARGETS)
     bad = [t for t in targets if not 0.0 <= t <= 1.0]
     if bad:
         raise ValueError(f"--targets must lie in [0, 1], got {bad}")
-    data = Path(opts.gen_data or GEN_DATA)
-    if opts.quick:
-        opts.samples, opts.calib_samples = 1, 1
-        opts.max_new_tokens = opts.max_new_tokens_robust = 8
-    if opts.batch_tokens is None:
-        opts.batch_tokens = 163840 if device.type == "cuda" else 16384
-    dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window, getattr(opts, "sa_margin", None))
-    rows = load_rows(data, opts.samples, getattr(opts, "gen_max_tokens", None))
+    device, dtype, data, base_cfg, router_meta, rows = open_split_run(opts, "budgets")
     if opts.quick:  # 2 + 3 x targets runs of every prompt: a CPU smoke run keeps the 2 shortest prompts per category
         short = sorted(rows, key=lambda r: (r["tokens"], r["family"]))
         rows = [r for cat in CATEGORIES for r in [x for x in short if x["category"] == cat][:QUICK_PER_CATEGORY]]
@@ -152,14 +139,8 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
             now = time.perf_counter()
             log(f"[{now - t_start:6.1f}s] {name}: {len(rows)} prompts ({now - t0:.1f} s)")
     res = {
-        "kind": "elastic-vllm budgets",
-        "complete": not skipped,
-        "provenance": provenance(argv or ["elastic-vllm", "eval", "--suite", "budgets"], device),
-        "model": str(opts.model),
-        "router": str(opts.router),
+        **split_result_head("budgets", "budgets", opts, argv, device, engine, data, skipped),
         "router_meta": router_meta,
-        "config": engine.base_cfg.model_dump(),
-        "data": {"path": str(data), "sha256": sha256_file(data), "per_cell": opts.samples},
         "targets": targets,
         "retrieval_scores": scores.tolist(),
         "curves": curves(samples, targets),
@@ -212,10 +193,9 @@ def markdown(res: dict) -> str:
 
 def plot(res: dict, path: Path) -> Path:
     """Score vs realized Omega_MSR per category: one curve per head choice, dense and the router alone as points."""
-    import matplotlib
+    from elastic_vllm.eval.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cats = list(res["curves"])
     fig, axes = plt.subplots(1, max(1, len(cats)), figsize=(6 * max(1, len(cats)), 4.2), squeeze=False)
@@ -228,14 +208,10 @@ def plot(res: dict, path: Path) -> Path:
         ax.set_title(cat)
         ax.set_xlim(-0.02, 1.02)
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=110)
 
 
 if __name__ == "__main__":  # re-plot from a results.json
-    import sys
+    from elastic_vllm.eval.plots import replot
 
-    r = json.loads(Path(sys.argv[1]).read_text())
-    print(plot(r, Path(sys.argv[1]).parent / "budgets.png"))
+    replot(plot, "budgets.png")

@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 import os
 import platform
-import shlex
-import subprocess
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from elastic_vllm.config import ElasticConfig
 from elastic_vllm.sparsity import omega_esr
 
 # the committed prompts of the demo model (a source checkout; pass --data elsewhere)
-DATA_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"  # package data (setup.py): the committed prompts
 DEFAULT_DATA = (str(DATA_DIR / "smollm2_ruler.jsonl.xz"), str(DATA_DIR / "smollm2_robust.jsonl.xz"))
 
 
@@ -185,25 +183,15 @@ class HFEngine:
 
 # --- provenance -----------------------------------------------------------------------------------
 def provenance(argv: list[str], device: torch.device) -> dict:
+    """The run's record (``elastic_vllm.provenance``: command, commit, time) with the device and the versions the
+    evaluation depends on."""
     import transformers
 
-    root = Path(__file__).resolve().parents[2]
-
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
+    from elastic_vllm.provenance import provenance as run_provenance
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)"
     return {
-        "command": " ".join(shlex.quote(a) for a in argv),
-        # GIT_COMMIT first: the GPU machine's copy of the tree may carry a stale .git (one reported an older
-        # commit than the tree's)
-        "git_commit": os.environ.get("GIT_COMMIT") or git("rev-parse", "HEAD") or "unknown",
-        "git_dirty": False
-        if os.environ.get("GIT_COMMIT")
-        else bool(git("status", "--porcelain", "--untracked-files=no")),
+        **run_provenance(argv),
         "gpu": gpu,
         "device": str(device),
         "torch": torch.__version__,

@@ -2,10 +2,10 @@
 
 Why one file of ~440 lines: the suite's run, aggregation per family, margin trade-off and report read one table.
 
-    elastic-vllm eval --suite generalization --model DIR --router DIR --out OUT [--device cuda]
+    elastic-vllm eval --suite generalization-split --model DIR --router DIR --out OUT [--device cuda]
 
 Reads the generalization split (``build-data --generalization N``; the demo model's is committed as
-benchmarks/data/smollm2_generalization.jsonl.gz): samples of the haystack/form families that no
+elastic_vllm/eval/data/smollm2_generalization.jsonl.gz): samples of the haystack/form families that no
 training sample has (``train.families.HELD_OUT``), sensitive and robust. For every (family, category)
 cell it reports
 
@@ -171,21 +171,46 @@ def check_targets(table: dict, method: str = "elastic") -> list[dict]:
     return out
 
 
-def run(opts, argv: list[str] | None = None, log=print) -> dict:
-    t_start = time.perf_counter()
+def open_split_run(opts, suite: str) -> tuple:
+    """What the transformers suites on the split share before their engine starts: the router check, ``--quick``,
+    the batch and dtype defaults, the base configuration and the rows. Returns (device, dtype, data path,
+    base config, router meta, rows)."""
     device = torch.device(opts.device)
     if not opts.router:
-        raise ValueError("--suite generalization needs the trained router (--router DIR)")
+        raise ValueError(f"--suite {suite} needs the trained router (--router DIR)")
     data = Path(opts.gen_data or GEN_DATA)
     if opts.quick:
         opts.samples, opts.calib_samples = 1, 1
         opts.max_new_tokens = opts.max_new_tokens_robust = 8
-    per_cell = opts.samples
     if opts.batch_tokens is None:
         opts.batch_tokens = 163840 if device.type == "cuda" else 16384
     dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     base_cfg, router_meta = base_config(opts.router, opts.sink, opts.window, getattr(opts, "sa_margin", None))
-    rows = load_rows(data, per_cell, getattr(opts, "gen_max_tokens", None))
+    rows = load_rows(data, opts.samples, getattr(opts, "gen_max_tokens", None))
+    return device, dtype, data, base_cfg, router_meta, rows
+
+
+def split_result_head(kind: str, suite: str, opts, argv, device, engine, data: Path, skipped: list) -> dict:
+    """The first keys of both split suites' results.json: what ran, on what, from which data."""
+    return {
+        "kind": f"elastic-vllm {kind}",
+        "complete": not skipped,
+        "provenance": provenance(argv or ["elastic-vllm", "eval", "--suite", suite], device),
+        "model": str(opts.model),
+        "router": str(opts.router),
+        "config": engine.base_cfg.model_dump(),
+        "data": {
+            "path": str(data),
+            "sha256": sha256_file(data),
+            "per_cell": opts.samples,
+            "max_tokens": getattr(opts, "gen_max_tokens", None),
+        },
+    }
+
+
+def run(opts, argv: list[str] | None = None, log=print) -> dict:
+    t_start = time.perf_counter()
+    device, dtype, data, base_cfg, router_meta, rows = open_split_run(opts, "generalization-split")
     log(f"generalization: {len(rows)} prompts from {data} on {device} {dtype}")
     engine = HFEngine(opts.model, base_cfg, opts.router, dtype, device, opts.impl)
     from elastic_vllm.train.data import prompt_text
@@ -251,19 +276,8 @@ def run(opts, argv: list[str] | None = None, log=print) -> dict:
 
     table = aggregate(samples)
     res = {
-        "kind": "elastic-vllm generalization",
-        "complete": not skipped,
-        "provenance": provenance(argv or ["elastic-vllm", "eval", "--suite", "generalization"], device),
-        "model": str(opts.model),
-        "router": str(opts.router),
+        **split_result_head("generalization", "generalization-split", opts, argv, device, engine, data, skipped),
         "router_meta": router_meta,
-        "config": engine.base_cfg.model_dump(),
-        "data": {
-            "path": str(data),
-            "sha256": sha256_file(data),
-            "per_cell": per_cell,
-            "max_tokens": getattr(opts, "gen_max_tokens", None),
-        },
         "held_out_families": sorted(table),
         "static_hybrid": static_info,
         "table": table,
@@ -398,10 +412,9 @@ def markdown(res: dict) -> str:
 
 def plot(res: dict, path: Path) -> Path:
     """Per held-out family: score relative to dense (bars, elastic and static) and Elastic's Omega_MSR (dots)."""
-    import matplotlib
+    from elastic_vllm.eval.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t = res["table"]
     fams = sorted(t)
@@ -422,14 +435,10 @@ def plot(res: dict, path: Path) -> Path:
         ax.set_ylim(0, 130)
     axes[0].set_ylabel("%")
     axes[1].legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=110)
 
 
 if __name__ == "__main__":  # re-plot from a results.json
-    import sys
+    from elastic_vllm.eval.plots import replot
 
-    r = json.loads(Path(sys.argv[1]).read_text())
-    print(plot(r, Path(sys.argv[1]).parent / "generalization.png"))
+    replot(plot, "generalization.png")

@@ -223,35 +223,26 @@ def check_targets(table: dict, length: int) -> list[dict]:
     def cell(m, t):
         return table.get(m, {}).get(L, {}).get(t)
 
+    def add(target: str, measured: str, met: bool) -> None:
+        out.append({"target": target, "measured": measured, "met": bool(met)})
+
     d, e, s = cell("dense", "ruler_avg"), cell("elastic", "ruler_avg"), cell("static", "ruler_avg")
     if d and e:
         keep = e["score"] / d["score"] if d["score"] else float("nan")
-        out.append(
-            {
-                "target": f"Elastic keeps >= 97% of the dense RULER average at {length} with Omega_MSR >= 0.5",
-                "measured": f"{100 * keep:.1f}% ({e['score']:.1f} vs {d['score']:.1f}), Omega_MSR {e['omega_msr']:.3f}",
-                "met": bool(keep >= 0.97 and e["omega_msr"] >= 0.5),
-            }
+        add(
+            f"Elastic keeps >= 97% of the dense RULER average at {length} with Omega_MSR >= 0.5",
+            f"{100 * keep:.1f}% ({e['score']:.1f} vs {d['score']:.1f}), Omega_MSR {e['omega_msr']:.3f}",
+            keep >= 0.97 and e["omega_msr"] >= 0.5,
         )
     if e and s:
         gap = e["score"] - s["score"]
-        out.append(
-            {
-                "target": f"Elastic beats the static hybrid by >= 5 points on RULER at {length} at the same average Omega_MSR",
-                "measured": f"{gap:+.1f} points (Omega_MSR elastic {e['omega_msr']:.3f}, static {s['omega_msr']:.3f})",
-                "met": bool(gap >= 5.0),
-            }
-        )
+        what = f"Elastic beats the static hybrid by >= 5 points on RULER at {length} at the same average Omega_MSR"
+        add(what, f"{gap:+.1f} points (Omega_MSR elastic {e['omega_msr']:.3f}, static {s['omega_msr']:.3f})", gap >= 5)
     r = cell("elastic", "robust_avg")
     if e and r:
         diff = r["omega_msr"] - e["omega_msr"]
-        out.append(
-            {
-                "target": f"Elastic's Omega_MSR on robust tasks >= 0.15 above sensitive (RULER) at {length}",
-                "measured": f"{diff:+.3f} (robust {r['omega_msr']:.3f}, sensitive {e['omega_msr']:.3f})",
-                "met": bool(diff >= 0.15),
-            }
-        )
+        what = f"Elastic's Omega_MSR on robust tasks >= 0.15 above sensitive (RULER) at {length}"
+        add(what, f"{diff:+.3f} (robust {r['omega_msr']:.3f}, sensitive {e['omega_msr']:.3f})", diff >= 0.15)
     return out
 
 
@@ -284,10 +275,50 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--suite",
         default="accuracy",
-        choices=["accuracy", "generalization", "budgets"],
-        help="accuracy: RULER + robust tasks (this module); generalization: the held-out task families, per "
-        "family, Elastic vs dense vs the static hybrid at Elastic's Omega_MSR (eval/generalization.py); budgets: "
-        "score vs realized Omega_MSR at fixed SA budgets, router-ranked vs static vs random heads (eval/budgets.py)",
+        choices=["accuracy", "generalization", "generalization-split", "budgets"],
+        help="accuracy: RULER + robust tasks (this module); generalization: the held-out retrieval x haystack "
+        "families through `elastic-vllm serve`, dense vs Elastic vs the static ranking at the same Omega_MSR "
+        "(eval/served.py); generalization-split: the build-data generalization split in transformers, per family "
+        "(eval/generalization.py); budgets: score vs realized Omega_MSR at fixed SA budgets, router-ranked vs "
+        "static vs random heads (eval/budgets.py)",
+    )
+    g = p.add_argument_group("--suite generalization (served)")
+    g.add_argument(
+        "--variants",
+        nargs="+",
+        help="of dense, elastic, static and the --variant names (default: dense elastic static and every --variant)",
+    )
+    g.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME=JSON",
+        help="one more server configuration: ElasticConfig fields over sink/window, e.g. 'floor={\"fa_floor\": 9}' "
+        "(repeatable)",
+    )
+    g.add_argument("--per-cell", type=int, default=20, help="prompts per family")
+    g.add_argument(
+        "--robust-per-cell", type=int, help="prompts (scored stretches) per robust family (default: --per-cell)"
+    )
+    g.add_argument("--slice", nargs="+", metavar="PATTERN", help="only the families matching these fnmatch patterns")
+    g.add_argument("--prompt-tokens", type=int, default=1200, help="tokens of each prompt's user message (about)")
+    g.add_argument(
+        "--min-dense", type=float, default=70.0, help="a sensitive family counts when dense finds >= this %%"
+    )
+    g.add_argument("--seed", type=int, default=0, help="prompt seed")
+    g.add_argument("--max-model-len", type=int, default=4096, help="the server's --max-model-len")
+    g.add_argument(
+        "--static-scores", help="a results.json whose static.retrieval_scores rank the heads (default: measure them)"
+    )
+    g.add_argument(
+        "--static-for",
+        nargs="+",
+        metavar="VARIANT",
+        help="the routed variants whose Omega_MSR the static ranking runs at (default: every one)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep OUT's samples whose prompt and configuration are unchanged; run only the missing ones",
     )
     p.add_argument(
         "--targets",
@@ -298,7 +329,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gen-data",
         help="generalization: the split from `build-data --generalization N` "
-        "(default: benchmarks/data/smollm2_generalization.jsonl.gz); --samples caps each (family, category)",
+        "(default: elastic_vllm/eval/data/smollm2_generalization.jsonl.gz); --samples caps each (family, category)",
     )
     p.add_argument("--no-static", action="store_true", help="generalization: skip the static hybrid")
     p.add_argument(
@@ -306,7 +337,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="generalization: skip samples longer than this (tokens, chat template and answer included; a CPU run)",
     )
-    p.add_argument("--model", required=True, help="model folder (transformers)")
+    p.add_argument("--model", help="model folder (transformers; --suite generalization: default the demo model)")
     p.add_argument("--router", help="trained router folder (router.json + router.safetensors)")
     p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="JSONL(.gz/.xz) files from eval.prepare")
     p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192])
@@ -359,7 +390,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(opts: argparse.Namespace, argv: list[str] | None = None, log=print) -> dict:
-    if getattr(opts, "suite", "accuracy") == "generalization":
+    suite = getattr(opts, "suite", "accuracy")
+    if suite == "generalization":
+        from elastic_vllm.eval.served import run as run_served
+
+        return run_served(opts, argv or list(getattr(sys, "orig_argv", sys.argv)), log)
+    if not opts.model:
+        raise ValueError(f"--suite {suite} needs --model DIR")
+    if suite == "generalization-split":
         from elastic_vllm.eval.generalization import run as run_generalization
 
         return run_generalization(opts, argv or list(getattr(sys, "orig_argv", sys.argv)), log)

@@ -18,7 +18,7 @@ MARKERS = {
 }
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,9 +27,26 @@ def _plt():
     return plt
 
 
+def save(fig, path: Path, dpi: int = 120) -> Path:
+    """Lay out, write and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
+def replot(plot, name: str) -> None:
+    """``python3 -m elastic_vllm.eval.<suite> RESULTS.json``: the suite's figure redrawn beside its results."""
+    import json
+    import sys
+
+    results = Path(sys.argv[1])
+    print(plot(json.loads(results.read_text()), results.parent / name))
+
+
 def pareto(res: dict, path: Path) -> Path:
     """Task-macro score vs Omega_ESR, one point per method and length; sensitive and robust panels."""
-    plt = _plt()
+    plt = pyplot()
     t = res["table"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     lengths = sorted({int(n) for m in t.values() for n in m})
@@ -57,15 +74,12 @@ def pareto(res: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, ncol=2, loc="best")
     fig.suptitle("Accuracy vs effective sparsity (faded markers: shorter length)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def per_task_msr(res: dict, path: Path) -> Path:
     """Realized Omega_MSR per task (bars) for the router-driven methods, one panel per length."""
-    plt = _plt()
+    plt = pyplot()
     t = res["table"]
     routed = [m for m in ("elastic", "elastic-sparse", "FA-XA", "XA-SSA", "static") if m in t]
     lengths = sorted({int(n) for m in t.values() for n in m}, reverse=True)
@@ -89,10 +103,7 @@ def per_task_msr(res: dict, path: Path) -> Path:
         ax.set_ylabel("Omega_MSR")
         ax.set_title(f"realized Omega_MSR per task at {n} tokens (left: sensitive, right: robust)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def heatmap(res: dict, path: Path, method: str = "elastic") -> Path | None:
@@ -100,7 +111,7 @@ def heatmap(res: dict, path: Path, method: str = "elastic") -> Path | None:
     plus the static hybrid's retrieval scores when present."""
     import numpy as np
 
-    plt = _plt()
+    plt = pyplot()
     freq = res.get("fa_frequency", {}).get(method)
     if not freq:
         return None
@@ -124,10 +135,7 @@ def heatmap(res: dict, path: Path, method: str = "elastic") -> Path | None:
         fig.colorbar(im, ax=ax, fraction=0.03)
     axes[-1, 0].set_xlabel("layer")
     axes[-1, 0].set_xticks(range(panels[0][1].shape[0]))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def write_plots(res: dict, out: Path) -> list[str]:

@@ -1,7 +1,7 @@
 """Build the accuracy harness's data files (run once, on a machine with PyPI access; the files are committed).
 
     python3 -m elastic_vllm.eval.prepare --model DIR --lengths 4096 8192 --samples 25 \\
-        --out-prefix benchmarks/data/smollm2
+        --out-prefix elastic_vllm/eval/data/smollm2
 
 writes ``{prefix}_ruler.jsonl.xz`` (RULER, ``ruler.py``), ``{prefix}_robust.jsonl.xz`` (summ / cont / code,
 ``robust.py``, plus the static hybrid's calibration needle prompts, task "calib", ``baselines.py``) and
@@ -38,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--only", choices=["ruler", "robust"], help="build one of the two files")
     p.add_argument("--ruler-jsonl", help="reuse RULER records already generated (JSONL) instead of running RULER")
-    p.add_argument("--out-prefix", required=True, help="e.g. benchmarks/data/smollm2")
+    p.add_argument("--out-prefix", required=True, help="e.g. elastic_vllm/eval/data/smollm2")
 
 
 def prepare(a: argparse.Namespace, argv: list[str], log=print) -> dict:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import torch
 
+import elastic_vllm.hf.ops as ops  # the module, not the package: hf/__init__ imports this one
 from elastic_vllm.config import HeadMode
-from elastic_vllm.hf import ops
 from elastic_vllm.hf.state import ElasticState
 from elastic_vllm.reference.attention import hybrid_attention_ref
-from elastic_vllm.router.model import budget_sa_counts, decide, decide_budget, effective_margin
+from elastic_vllm.router.model import budget_sa_counts
+from elastic_vllm.router.policy import FORCE_CODE, decode_modes, head_modes, route_heads
 
 ATTN_IMPLEMENTATION = "elastic"
 
@@ -82,20 +83,21 @@ def _route(state: ElasticState, module, layer: int, k_pos: torch.Tensor, k_valid
         state.train.r[layer] = r
         state.train.logits[layer] = logits
         is_fa = r[..., 1].detach() > 0.5
-    elif cfg.force == "all-FA":
-        is_fa = torch.ones(B, state.num_kv_heads, dtype=torch.bool, device=dev)
-    elif cfg.force == "all-SA":
-        is_fa = torch.zeros(B, state.num_kv_heads, dtype=torch.bool, device=dev)
-    elif state.fixed_routing is not None:
+    elif state.fixed_routing is not None and cfg.force == "auto":  # an experiment's own decisions
         fixed = state.fixed_routing.to(dev).bool()
         is_fa = (fixed[layer] if fixed.dim() == 2 else fixed[:, layer]).expand(B, -1)
-    elif logits is not None and cfg.target_omega is not None:  # a fixed budget: the layer's lowest margins go SA
-        n_sa = budget_sa_counts(cfg.target_omega, state.num_layers, 0, 1, state.num_kv_heads)[layer]
-        is_fa = decide_budget(logits, torch.full((B,), n_sa, dtype=torch.long, device=logits.device))
-    elif logits is not None:
-        is_fa = decide(logits, effective_margin(cfg.sa_margin, cfg.bias))
     else:
-        raise RuntimeError("elastic attention with force='auto' needs a router (or state.fixed_routing)")
+        if logits is None and cfg.force == "auto":
+            raise RuntimeError("elastic attention with force='auto' needs a router (or state.fixed_routing)")
+        budget = None
+        if logits is not None and cfg.target_omega is not None:
+            n_sa = budget_sa_counts(cfg.target_omega, state.num_layers, 0, 1, state.num_kv_heads)[layer]
+            budget = torch.full((B,), n_sa, dtype=torch.long, device=dev)
+        force = cfg.force if logits is not None else torch.full((B,), FORCE_CODE[cfg.force], device=dev)
+        floor = None if state.floor is None else state.floor[layer].to(dev)
+        is_fa = route_heads(
+            logits, cfg, num_heads=state.num_kv_heads, force=force, bias=cfg.bias, budget=budget, floor=floor
+        ).fa
     state.record(layer, is_fa, logits)
     return is_fa, r
 
@@ -215,12 +217,7 @@ def elastic_attention_forward(
             )
         cached = state.decode_cache.get(layer)
         if cached is None or cached[0].device != dev:
-            is_fa = state.routing[:, layer].to(dev)
-            if cfg.decode_mode == "sparse":
-                sa_now = HeadMode.SSA if sa_mode == HeadMode.SSA else HeadMode.FA  # XA heads are dense at decode
-                modes = torch.where(is_fa, int(HeadMode.FA), int(sa_now)).long()
-            else:
-                modes = torch.full_like(is_fa, int(HeadMode.FA), dtype=torch.long)
+            modes = decode_modes(head_modes(state.routing[:, layer].to(dev), cfg), cfg.decode_mode).long()
             cached = state.decode_cache[layer] = (modes, frozenset(modes.unique().tolist()))
         out = _compute(cached[0], query, key, value, ctx, cfg, scale, {}, cached[1])
     return out.transpose(1, 2).contiguous(), None
@@ -240,7 +237,7 @@ def _compute(modes, q, k, v, ctx, cfg, scale, xa, present: frozenset | None = No
     if impl == "reference":
         return _reference(q, k, v, modes, k_valid, q_valid, xa, cfg, scale)
     if impl == "triton":
-        from elastic_vllm.hf import triton_backend
+        import elastic_vllm.hf.triton_backend as triton_backend
 
         return triton_backend.hybrid_attention(q, k, v, modes, k_valid, q_valid, padded, xa, cfg, scale)
     present = set(modes.unique().tolist()) if present is None else set(present)

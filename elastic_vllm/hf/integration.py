@@ -78,14 +78,14 @@ def enable_elastic(
     router: an ElasticRouter, a router checkpoint folder, or None (then ``cfg.router_path`` if set;
     with no router at all only ``cfg.force`` in {"all-FA", "all-SA"} or ``state.fixed_routing`` route).
     cfg None with a checkpoint folder: the attention config the router was trained with.
-    impl: "torch" (PyTorch, CPU and GPU), "triton" (``elastic_vllm.csrc`` kernels, inference only),
+    impl: "torch" (PyTorch, CPU and GPU), "triton" (``elastic_vllm.ops`` kernels, inference only),
     "reference" (the plain oracle of ``elastic_vllm.reference``, slow) or "auto" (triton on a CUDA
     model when the kernels import, else torch). Training always runs the torch (or reference) path.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        from elastic_vllm.hf import triton_backend
+        import elastic_vllm.hf.triton_backend as triton_backend
 
         on_gpu = next(model.parameters()).device.type == "cuda"
         impl = "triton" if on_gpu and triton_backend.available() else "torch"
@@ -124,12 +124,13 @@ def enable_elastic(
         state.hooks.append(src.register_forward_hook(_key_hook(m, shape)))
     base = _base_model(model)
     state.hooks.append(base.register_forward_pre_hook(_forward_pre_hook(state, base), with_kwargs=True))
-    _set_attn_implementation(model, ATTN_IMPLEMENTATION)
+    set_attn_implementation(model, ATTN_IMPLEMENTATION)
     model.elastic_state = state
     return state
 
 
-def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+def set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+    """Switch a transformers model's attention implementation (``set_attn_implementation``, or the configs)."""
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
         return
@@ -159,7 +160,7 @@ def disable_elastic(model: torch.nn.Module, attn_implementation: str = "sdpa") -
             if hasattr(m, a):
                 delattr(m, a)
     model.elastic_state = None
-    _set_attn_implementation(model, attn_implementation)
+    set_attn_implementation(model, attn_implementation)
 
 
 def _key_hook(attn: torch.nn.Module, shape: BackboneShape):

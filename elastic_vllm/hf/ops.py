@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from elastic_vllm.config import ElasticConfig, HeadMode
-from elastic_vllm.reference.xattn import xattn_block_mask_ref
+from elastic_vllm.ops.xattn_select.naive import xattn_block_mask_ref
+from elastic_vllm.reference.mask import ssa_keep
 
 
 def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -59,8 +60,7 @@ def token_positions(padding_mask: torch.Tensor | None, batch: int, length: int, 
 
 def ssa_pattern(q_pos: torch.Tensor, k_pos: torch.Tensor, sink: int, window: int) -> torch.Tensor:
     """[B, Q, K] bool: key is a sink token or inside the window (causality not included)."""
-    i, j = q_pos[:, :, None], k_pos[:, None, :]
-    return (j < sink) | (i - j < window)
+    return ssa_keep(q_pos[:, :, None], k_pos[:, None, :], sink, window)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -181,7 +181,7 @@ def xa_block_masks(
 
     q [B, Hq, T, D], k [B, Hkv, T, D], valid [B, T]. Blocks are over each row's real-token positions.
     Returns {(b, h): bool [nb, nb]}. Runs the plain reference selection: the GPU selection kernel
-    plugs in here (``elastic_vllm.csrc``) once it exists.
+    plugs in here (``elastic_vllm.ops``) once it exists.
     """
     out: dict[tuple[int, int], torch.Tensor] = {}
     if not bool(wanted.any()):

@@ -23,6 +23,7 @@ import torch
 
 from elastic_vllm.config import ElasticConfig
 from elastic_vllm.router.model import ElasticRouter
+from elastic_vllm.router.policy import floor_of
 
 
 @dataclass
@@ -70,6 +71,10 @@ class ElasticState:
     num_prefills: int = 0  # forwards that routed (one per request batch)
     num_router_calls: int = 0  # router forward calls (one per layer per prefill)
     hooks: list[Any] = field(default_factory=list)
+    floor: torch.Tensor | None = None  # bool [L, H_kv] fa_floor mask (policy.floor_of), None: off
+
+    def __post_init__(self) -> None:
+        self.floor = floor_of(self.router, self.cfg)
 
     # --- what callers read -------------------------------------------------------------------
     @property
@@ -90,7 +95,9 @@ class ElasticState:
 
     def set_config(self, **updates: Any) -> None:
         """Change knobs at run time, e.g. ``state.set_config(force="all-FA", decode_mode="sparse")``."""
-        self.cfg = ElasticConfig.parse({**self.cfg.model_dump(), **updates})
+        cfg = ElasticConfig.parse({**self.cfg.model_dump(), **updates})
+        self.floor = floor_of(self.router, cfg)  # a floor > 0 needs the router's ranking: checked now
+        self.cfg = cfg
         self.decode_cache = {}
 
     # --- written by the forward pre-hook and the attention function -------------------------------

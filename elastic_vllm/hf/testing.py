@@ -2,7 +2,7 @@
 
 For tests and smoke runs of the integration and the trainer: no download, seconds on a CPU.
 ``save_tiny_model(family, folder)`` writes a folder that ``from_pretrained`` and the
-``train-router`` CLI load like a real model.
+``train-router`` CLI load like a real model; ``sharp_router`` gives them a router that mixes FA and SA heads.
 """
 
 from __future__ import annotations
@@ -16,6 +16,19 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+def sharp_router(layers: int = 3, head_dim: int = 16, seed: int = 0, gain: float = 30.0):
+    """A random ElasticRouter (torch seed ``seed``) whose decision logits are scaled by ``gain``: they move a lot with
+    the input, so decisions differ between prompts and heads (at gain 1 a random router's logits sit near 0)."""
+    from elastic_vllm.router.model import ElasticRouter
+
+    torch.manual_seed(seed)
+    r = ElasticRouter(layers, head_dim)
+    with torch.no_grad():
+        for layer in r.layers:
+            layer.cls_router_head_agnostic[4].weight.mul_(gain)
+    return r
 
 
 def tiny_config(family: str = "llama", layers: int = 3, heads: int = 4, kv_heads: int = 2, head_dim: int = 16):

@@ -1,4 +1,4 @@
-"""GPU inference path of the transformers engine: the Triton kernels of ``elastic_vllm.csrc``.
+"""GPU inference path of the transformers engine: the Triton kernels of ``elastic_vllm.ops``.
 
 transformers' DynamicCache holds K/V as [B, Hkv, K, D]; the kernels read vLLM's paged layout
 [num_blocks, block_size, Hkv, D] through a block table. The whole batch IS such a cache with
@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import torch
 
+from elastic_vllm import ops as kernels
 from elastic_vllm.config import ElasticConfig, HeadMode
+
+if kernels.AVAILABLE:  # the one check: impl="torch" runs without Triton
+    from elastic_vllm.ops.decode import kernel as decode_kernel
+    from elastic_vllm.ops.prefill import kernel as prefill_kernel
+    from elastic_vllm.ops.xattn_select import kernel as xattn_kernel
 
 
 def available() -> bool:
-    try:
-        import triton  # noqa: F401
-
-        from elastic_vllm.csrc import decode, prefill  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the kernels load here (``elastic_vllm.ops.AVAILABLE``)."""
+    return kernels.AVAILABLE
 
 
 def token_blocks(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -117,9 +118,6 @@ def hybrid_attention(
 
     Outputs at padding queries are 0 (the torch path leaves them unspecified; nothing reads them).
     """
-    from elastic_vllm.csrc.decode import decode_attention
-    from elastic_vllm.csrc.prefill import prefill_attention
-
     B, Hq, Q, D = q.shape
     K = k.shape[2]
     dev = q.device
@@ -138,14 +136,16 @@ def hybrid_attention(
         # new tokens at the end of every row, after its real past (left padding): one request per row
         bt = (base + lo)[:, None] + ar[None, :]
         if Q == 1:
-            o = decode_attention(
+            o = decode_kernel.decode_attention(
                 q[:, :, 0], kc, vc, bt, n, modes, sink=cfg.sink, window=cfg.window, max_seq_len=K, scale=scale
             )
             out = o[:, :, None]
         else:
             qp = q.transpose(1, 2).reshape(B * Q, Hq, D)
             qsl = torch.arange(B + 1, device=dev, dtype=torch.int32) * Q
-            o = prefill_attention(qp, kc, vc, bt, qsl, n, modes, sink=cfg.sink, window=cfg.window, scale=scale)
+            o = prefill_kernel.prefill_attention(
+                qp, kc, vc, bt, qsl, n, modes, sink=cfg.sink, window=cfg.window, scale=scale
+            )
             out = o.view(B, Q, Hq, D).transpose(1, 2)
         return out  # row_spans checked that every new token is real: no padding queries to zero
     # prefill (Q == K): per row the requests [leading padding, real tokens, trailing padding]; a request of
@@ -167,7 +167,9 @@ def hybrid_attention(
     if cfg.uses_xattn and bool((modes == HeadMode.XA).any()):  # FA-SSA: no host sync here
         kw = _xa_kwargs(xa, n, padded, R, modes.shape[1], cfg, dev)
     qp = q.transpose(1, 2).reshape(B * K, Hq, D)
-    o = prefill_attention(qp, kc, vc, bt, qsl, lens, req_modes, sink=cfg.sink, window=cfg.window, scale=scale, **kw)
+    o = prefill_kernel.prefill_attention(
+        qp, kc, vc, bt, qsl, lens, req_modes, sink=cfg.sink, window=cfg.window, scale=scale, **kw
+    )
     out = o.view(B, K, Hq, D).transpose(1, 2)
     return torch.where(q_valid[:, None, :, None], out, 0.0) if padded else out
 
@@ -175,8 +177,6 @@ def hybrid_attention(
 def _xa_kwargs(xa, n, padded: bool, R: int, hkv: int, cfg: ElasticConfig, dev) -> dict:
     """XA block lists for the prefill requests: row b's selection on its real-token request (3b + 1 when
     padded, else b), none elsewhere. One host sync (the row lengths)."""
-    from elastic_vllm.csrc.xattn_select import block_masks_to_lists, xattn_max_blocks
-
     n_host = n.tolist()
     masks: list[torch.Tensor | None] = [None] * R
     seq = [0] * R
@@ -185,6 +185,6 @@ def _xa_kwargs(xa, n, padded: bool, R: int, hkv: int, cfg: ElasticConfig, dev) -
         nb = -(-nb_tok // cfg.xattn_block)
         masks[r] = torch.stack([xa.get((b, h), torch.zeros(nb, nb, dtype=torch.bool)).cpu() for h in range(hkv)])
         seq[r] = nb_tok
-    mq, mk = xattn_max_blocks(max(seq), max(seq), cfg.xattn_block)
-    idx, cnt = block_masks_to_lists(masks, seq, seq, cfg.xattn_block, mq, mk, hkv, dev)
+    mq, mk = xattn_kernel.xattn_max_blocks(max(seq), max(seq), cfg.xattn_block)
+    idx, cnt = xattn_kernel.block_masks_to_lists(masks, seq, seq, cfg.xattn_block, mq, mk, hkv, dev)
     return {"xa_block_idx": idx, "xa_block_cnt": cnt, "xattn_block": cfg.xattn_block}

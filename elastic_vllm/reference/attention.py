@@ -28,32 +28,7 @@ from __future__ import annotations
 import torch
 
 from elastic_vllm.config import HeadMode
-
-
-def visible(
-    mode: int,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    sink: int,
-    window: int,
-    block_mask: torch.Tensor | None = None,
-    xa_block: int = 128,
-) -> torch.Tensor:
-    """Boolean [Q, K] mask of the key positions each query position may attend to."""
-    i = q_pos[:, None]
-    j = k_pos[None, :]
-    causal = j <= i
-    if mode == HeadMode.FA:
-        return causal
-    if mode == HeadMode.SSA:
-        return causal & ((j < sink) | (i - j < window))
-    if mode == HeadMode.XA:
-        if block_mask is None:
-            raise ValueError("XA head needs a block mask")
-        qb = (q_pos // xa_block).long()
-        kb = (k_pos // xa_block).long()
-        return causal & block_mask[qb[:, None], kb[None, :]].bool()
-    raise ValueError(f"unknown head mode {mode}")
+from elastic_vllm.reference.mask import visible
 
 
 def gather_paged(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -78,11 +53,15 @@ def hybrid_attention_ref(
     xa_block_masks: list[torch.Tensor | None] | None = None,
     xa_block: int = 128,
     compute_dtype: torch.dtype = torch.float32,
+    chunk: int | None = None,
+    softmax_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Hybrid FA/SSA/XA attention over a paged KV cache. Returns [T, Hq, D] in q's dtype.
 
     xa_block_masks[b] is a bool [Hkv, num_q_blocks, num_k_blocks] over ABSOLUTE block indices
-    (block = position // xa_block) for requests with any XA head, else None.
+    (block = position // xa_block) for requests with any XA head, else None. ``chunk``: queries by chunks of that
+    many rows, each over the keys up to its last query (memory for 32K+ prompts). Inputs and probabilities x values in
+    ``compute_dtype``; scores and softmax in ``softmax_dtype`` (default: ``compute_dtype``).
     """
     _T, Hq, D = q.shape
     Hkv = key_cache.shape[2]
@@ -90,17 +69,16 @@ def hybrid_attention_ref(
         raise ValueError(f"query heads {Hq} not a multiple of KV heads {Hkv}")
     group = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
+    sd = compute_dtype if softmax_dtype is None else softmax_dtype
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
     for b in range(len(qsl) - 1):
         s, e = qsl[b], qsl[b + 1]
-        q_len = e - s
-        if q_len == 0:
+        if e == s:
             continue
         seq_len = int(seq_lens[b])
         k = gather_paged(key_cache, block_table[b], seq_len).to(compute_dtype)
         v = gather_paged(value_cache, block_table[b], seq_len).to(compute_dtype)
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         for h in range(Hkv):
             mode = int(head_modes[b, h])
@@ -109,14 +87,25 @@ def hybrid_attention_ref(
                 if xa_block_masks is None or xa_block_masks[b] is None:
                     raise ValueError(f"request {b} head {h} is XA but has no block mask")
                 bm = xa_block_masks[b][h]
-            mask = visible(mode, q_pos, k_pos, sink, window, bm, xa_block)  # [Q, K]
-            qh = q[s:e, h * group : (h + 1) * group].to(compute_dtype)  # [Q, G, D]
-            scores = torch.einsum("qgd,kd->gqk", qh, k[:, h]) * scale
-            scores = scores.masked_fill(~mask, float("-inf"))
-            p = torch.softmax(scores, dim=-1)
-            o = torch.einsum("gqk,kd->qgd", p, v[:, h])
-            out[s:e, h * group : (h + 1) * group] = o.to(q.dtype)
+            for c0 in range(s, e, chunk or e - s):
+                c1 = min(c0 + (chunk or e - s), e)
+                q_pos = torch.arange(seq_len - (e - c0), seq_len - (e - c1), device=q.device)
+                hi = int(q_pos[-1]) + 1  # causal: no key past the chunk's last query
+                mask = visible(mode, q_pos, k_pos[:hi], sink, window, bm, xa_block)  # [Q, K]
+                qh = q[c0:c1, h * group : (h + 1) * group].to(compute_dtype)  # [Q, G, D]
+                scores = torch.einsum("qgd,kd->gqk", qh, k[:hi, h]).to(sd) * scale
+                scores = scores.masked_fill(~mask, float("-inf"))
+                p = torch.softmax(scores, dim=-1).to(compute_dtype)
+                o = torch.einsum("gqk,kd->qgd", p, v[:hi, h])
+                out[c0:c1, h * group : (h + 1) * group] = o.to(q.dtype)
     return out
+
+
+def hybrid_attention_chunked(*args, chunk: int = 2048, **kwargs) -> torch.Tensor:
+    """``hybrid_attention_ref`` (same arguments) by 2048-query chunks with float32 scores and softmax: fits 32K+
+    prompts on one GPU. ``compute_dtype=q.dtype`` gives "PyTorch in the kernel's dtype", the baseline of the
+    flash-attention rule."""
+    return hybrid_attention_ref(*args, chunk=chunk, softmax_dtype=torch.float32, **kwargs)
 
 
 def write_paged(

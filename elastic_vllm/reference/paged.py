@@ -5,6 +5,7 @@ Block 0 is reserved (never used by a request), as vLLM reserves its null block.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,3 +80,33 @@ def make_paged_batch(
         keys=[k.to(dev) for k in keys],
         values=[v.to(dev) for v in values],
     )
+
+
+def make_paged(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    block_size: int,
+    generator: torch.Generator | None = None,
+    spare_blocks: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scatter per-request [S_b, Hkv, D] keys/values into a randomly permuted paged cache (on their device).
+
+    Returns key_cache, value_cache [num_blocks, block_size, Hkv, D] (views of one
+    [num_blocks, 2, block_size, Hkv, D] tensor, like vLLM's) and block_table [B, max_blocks] int32.
+    """
+    dev = keys[0].device
+    hkv, d = keys[0].shape[1:]
+    nblk = [math.ceil(k.shape[0] / block_size) for k in keys]
+    total = sum(nblk) + spare_blocks + 1
+    perm = torch.randperm(total - 1, generator=generator, device="cpu").to(dev) + 1  # block 0 reserved
+    kv = torch.zeros(total, 2, block_size, hkv, d, device=dev, dtype=keys[0].dtype)
+    bt = torch.zeros(len(keys), max(max(nblk), 1), device=dev, dtype=torch.int32)
+    at = 0
+    for b, (k, v, n) in enumerate(zip(keys, values, nblk)):
+        ids = perm[at : at + n]
+        at += n
+        bt[b, :n] = ids.to(torch.int32)
+        pos = torch.arange(k.shape[0], device=dev)
+        kv[ids[pos // block_size], 0, pos % block_size] = k
+        kv[ids[pos // block_size], 1, pos % block_size] = v
+    return kv[:, 0], kv[:, 1], bt

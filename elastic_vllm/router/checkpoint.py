@@ -8,7 +8,12 @@ router.json::
      "pooling":  {"mode": "boundary", "tokens": 100},
      "attention": {"mode": "FA-SSA", "sink": 128, "window": 512, ...},   # what it was trained with
      "training": {...free-form summary...},
+     "retrieval": {"method": ..., "scores": [[...] x num_kv_heads] x num_layers, "calibration": {...}},  # optional
      "sha256": "<hex of router.safetensors>"}
+
+``retrieval``: the retrieval-head ranking the fail-safe floor (``ElasticConfig.fa_floor``) keeps FA: each KV
+head's attention mass on needle tokens under dense attention (``train/ranking.py``), and which calibration
+prompts measured it. Optional: checkpoints without it load; a floor > 0 with one of them fails at startup.
 
 Tensors are the ``ElasticRouter`` state dict: ``layers.{i}.cls_feat_extractor.{0,2}.{weight,bias}``
 and ``layers.{i}.cls_router_head_agnostic.{0,2,4}.{weight,bias}``, float32.
@@ -76,6 +81,19 @@ class RouterSpec(BaseModel):
     hidden_mult: int = Field(4, ge=1, le=64)
 
 
+class RetrievalRanking(BaseModel):
+    """KV heads' retrieval scores [num_layers][num_kv_heads] (higher = more retrieval), and how they were measured."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str = (
+        "attention mass on the needle's value tokens while the model reads out the answer, under dense attention, "
+        "mean over the answer queries, the query heads of the KV head and the calibration prompts"
+    )
+    scores: list[list[float]]
+    calibration: dict[str, Any] = Field(default_factory=dict)
+
+
 class RouterMeta(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -86,6 +104,7 @@ class RouterMeta(BaseModel):
     pooling: dict[str, Any] = Field(default_factory=lambda: {"mode": "boundary", "tokens": 100})
     attention: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
+    retrieval: RetrievalRanking | None = None
     sha256: str = ""
 
     @property
@@ -259,4 +278,31 @@ def load_router(
         router.set_input_norm(tensors["input_shift"], tensors["input_scale"])
     router.load_state_dict({k: t.float() for k, t in tensors.items()})
     router.to(device).eval().requires_grad_(False)
+    if meta.retrieval is not None:
+        router.retrieval_scores = ranking_scores(meta, folder)
     return RouterCheckpoint(router=router, meta=meta, path=folder)
+
+
+def ranking_scores(meta: RouterMeta, path: Any = "") -> torch.Tensor:
+    """float32 [num_layers, num_kv_heads] retrieval scores of ``meta.retrieval``, checked (shape, finite)."""
+    b = meta.backbone
+    scores = meta.retrieval.scores
+    if len(scores) != b.num_layers or any(len(row) != b.num_kv_heads for row in scores):
+        raise RouterCheckpointError(
+            f"{path}: {META_FILE} retrieval.scores must be [{b.num_layers} layers][{b.num_kv_heads} KV heads], got "
+            f"{len(scores)} rows of {sorted({len(row) for row in scores})} values"
+        )
+    t = torch.tensor(scores, dtype=torch.float32)
+    if not torch.isfinite(t).all():
+        raise RouterCheckpointError(f"{path}: {META_FILE} retrieval.scores hold NaN or inf values")
+    return t
+
+
+def add_ranking(path: str | Path, ranking: RetrievalRanking) -> Path:
+    """Store ``ranking`` in the router.json of checkpoint folder ``path`` (the weights stay as they are: the
+    checkpoint is loaded, i.e. checked, first). Returns the folder."""
+    folder = Path(path)
+    meta = load_router(folder).meta.model_copy(update={"retrieval": ranking})
+    ranking_scores(meta, folder)
+    (folder / META_FILE).write_text(json.dumps(meta.model_dump(), indent=2) + "\n")
+    return folder

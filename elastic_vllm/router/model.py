@@ -60,6 +60,9 @@ class ElasticRouter(nn.Module):
         self.layers = nn.ModuleList(LayerRouter(head_dim, hidden_mult) for _ in range(num_layers))
         self.register_buffer("input_shift", None)  # set_input_norm; None = no standardization
         self.register_buffer("input_scale", None)
+        # [num_layers, H_kv] float32 retrieval scores of the checkpoint (router.json "retrieval"), None without one:
+        # metadata for the fail-safe floor (policy.floor_of), not a weight (kept on the host, out of the state dict)
+        self.retrieval_scores: torch.Tensor | None = None
 
     def set_input_norm(self, shift: torch.Tensor, scale: torch.Tensor) -> None:
         """Fix the input standardization: shift, scale [num_layers, H_kv, head_dim] (finite, scale > 0)."""
@@ -140,15 +143,19 @@ def budget_sa_counts(
     return [c[p] - (c[p - 1] if p else 0) for p in (layer * num_groups + group for layer in range(num_layers))]
 
 
-def decide_budget(logits: torch.Tensor, num_sa: torch.Tensor) -> torch.Tensor:
+def decide_budget(logits: torch.Tensor, num_sa: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
     """True where the head runs FA under a fixed budget: the ``num_sa[r]`` heads of row r with the lowest margin
     ``z_FA - z_SA`` (the router prefers SA most) run SA, ties to the lower head index. logits [R, H, 2],
-    num_sa [R] (long, on logits' device). A head with NaN / inf logits ranks last (least SA-preferred), so it goes
-    SA only when the budget needs every head: the count stays exact."""
+    num_sa [R] (long, on logits' device). A head with NaN / inf logits ranks after the finite ones, and a head of
+    ``floor`` ([H] bool: the fail-safe floor, ``ElasticConfig.fa_floor``) after every other head: each goes SA
+    only when the budget needs it, so the count stays exact."""
     z = logits.float()
     m = z[..., FA_INDEX] - z[..., 1 - FA_INDEX]
     m = torch.where(torch.isfinite(z).all(-1), m, torch.full_like(m, float("inf")))
     order = torch.sort(m, dim=-1, stable=True).indices
+    if floor is not None:  # a second stable sort: floor heads last, each group in margin order
+        key = floor.to(m.device).expand_as(m).gather(-1, order).to(torch.int8)
+        order = order.gather(-1, torch.sort(key, dim=-1, stable=True).indices)
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(m.shape[-1], device=m.device).expand_as(order).contiguous())
     return rank >= num_sa.view(-1, 1)

@@ -33,7 +33,7 @@
 
 The metrics are written by the engine process. They reach the API server's /metrics only in
 prometheus_client's multiprocess mode: PROMETHEUS_MULTIPROC_DIR must be set, fresh, before any
-process imports prometheus_client — ``elastic-vllm serve`` does it (see ``telemetry/serve.py``).
+process imports prometheus_client — ``elastic-vllm serve`` does it (see ``elastic_vllm/supervisor.py``).
 """
 
 from __future__ import annotations

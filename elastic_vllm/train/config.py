@@ -91,6 +91,11 @@ class TrainConfig(BaseModel):
     )
     plots: bool = True
     progress: bool = True
+    # the retrieval-head ranking stored in the router (the fail-safe floor's, train/ranking.py), measured when
+    # training finishes on calibration needle prompts that are not evaluation prompts
+    rank_prompts: int = Field(8, ge=0, description="calibration needle prompts per length for the ranking (0: none)")
+    rank_lengths: tuple[int, ...] = Field((4096, 8192), min_length=1, description="calibration prompt lengths")
+    rank_haystack: str | None = Field(None, description="text file hiding the needles (default: the essays)")
     backbone_id: str | None = None
 
     @field_validator("targets")
@@ -110,4 +115,6 @@ class TrainConfig(BaseModel):
         cfg = ElasticConfig.parse(v)
         if cfg.force != "auto":
             raise ValueError("training routes every head: elastic.force must be 'auto'")
+        if cfg.fa_floor:
+            raise ValueError("training routes every head: elastic.fa_floor must be 0 (the floor is a serving knob)")
         return cfg

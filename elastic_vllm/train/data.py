@@ -28,6 +28,7 @@ class Example:
     category: str
     input_ids: tuple[int, ...]
     prompt_len: int
+    pair: str | None = None  # builder version 4: the id shared with its partner of the other category
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +84,7 @@ def tokenize(row: dict, tokenizer, eot: str | None = None) -> Example:
     a_ids = tokenizer.encode(row["answer"] + (end_of_turn(tokenizer) if eot is None else eot), add_special_tokens=False)
     if not a_ids:
         raise ValueError(f"empty answer in task {row['task']}")
-    return Example(row["task"], row["category"], tuple(p_ids + a_ids), len(p_ids))
+    return Example(row["task"], row["category"], tuple(p_ids + a_ids), len(p_ids), row.get("pair"))
 
 
 def load_examples(path: str | Path, tokenizer, max_tokens: int) -> tuple[list[Example], int]:
@@ -102,12 +103,20 @@ def load_examples(path: str | Path, tokenizer, max_tokens: int) -> tuple[list[Ex
 
 
 def sample_order(examples: list[Example], seed: int) -> Iterator[int]:
-    """Endless deterministic stream of example indices, stratified by task.
+    """Endless deterministic stream of example indices, stratified by task, or by pair when every example has one.
 
-    Each epoch shuffles every task's list, then deals them round-robin (task order reshuffled each
+    By task: each epoch shuffles every task's list, then deals them round-robin (task order reshuffled each
     round), so any window of ~#tasks consecutive samples covers every task. Tasks with fewer
     examples simply run out earlier in the epoch.
+
+    By pair (builder version 4): each epoch shuffles the pairs and deals both partners back to back, so every
+    window of the stream, not only a whole epoch, holds as many sensitive as robust samples of each haystack
+    (by task, a version-4 mixture's 240 first-task samples on SQuAD/HotpotQA paragraphs would come in the
+    epoch's first rounds and their robust partners, dealt as one task of 600, mostly later).
     """
+    if all(ex.pair is not None for ex in examples):
+        yield from _pair_order(examples, seed)
+        return
     by_task: dict[str, list[int]] = {}
     for i, ex in enumerate(examples):
         by_task.setdefault(ex.task, []).append(i)
@@ -121,4 +130,17 @@ def sample_order(examples: list[Example], seed: int) -> Iterator[int]:
             rng.shuffle(order)
             for t in order:
                 yield lists[t].pop()
+        epoch += 1
+
+
+def _pair_order(examples: list[Example], seed: int) -> Iterator[int]:
+    by_pair: dict[str, list[int]] = {}
+    for i, ex in enumerate(examples):
+        by_pair.setdefault(ex.pair, []).append(i)  # type: ignore[arg-type]
+    pairs = sorted(by_pair)
+    epoch = 0
+    while True:
+        rng = random.Random(seed * 1_000_003 + epoch)
+        for p in rng.sample(pairs, len(pairs)):
+            yield from rng.sample(by_pair[p], len(by_pair[p]))
         epoch += 1

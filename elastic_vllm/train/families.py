@@ -51,6 +51,9 @@ SENSITIVE_KINDS: tuple[str, ...] = (
 )
 ROBUST_KINDS: tuple[str, ...] = ("continue", "rewrite", "summary", "translate", "codegen", "open_chat")
 HAYSTACKS: tuple[str, ...] = ("prose", "code", "logs", "config", "chat", "docs", "table")
+# builder version 4 (balanced.py) adds the haystacks of the 7 first tasks that the grid lacked: SQuAD / HotpotQA
+# paragraphs (squad_qa, hotpot_qa) and RULER's repeated filler sentences (a fifth of the needles' haystacks)
+V4_HAYSTACKS: tuple[str, ...] = (*HAYSTACKS, "wiki", "filler")
 FORMS: tuple[str, ...] = ("after", "before", "system", "multiturn")
 TEMPLATES: tuple[str, ...] = ("model", "plain", "alpaca", "llama2")
 # families (haystack/form) kept out of training; each haystack and each form still appears in training
@@ -152,6 +155,8 @@ WHAT = {
     "chat": "chat transcript",
     "docs": "piece of documentation",
     "table": "table",
+    "wiki": "set of encyclopedia paragraphs",
+    "filler": "text",
 }
 
 
@@ -191,18 +196,51 @@ def render(template: str, messages: list[dict], tokenizer) -> str | None:
     raise ValueError(f"unknown template {template!r} (known: {', '.join(TEMPLATES)})")
 
 
+# the instructions of the robust kinds whose body is a builder's sample (one drawn per sample)
+ASKS = {
+    "summary": (
+        "Write a short summary of what this document covers, as its opening paragraph.",
+        "Summarize the material above in a few sentences.",
+        "What is this about? Give a brief overview.",
+    ),
+    "codegen": (
+        "Write the next lines of the last function.",
+        "Continue the code where it stops.",
+        "Complete the implementation.",
+    ),
+}
+
+
 class Families:
     """Draws family samples for one split; ``builder`` (train.build.Builder) gives sources and token counts."""
 
     def __init__(self, builder):
         self.b = builder
+        # builder version 4: the source a haystack draws from (prose: essays | sotu, wiki: squad | hotpot), so
+        # that both samples of a pair read the same source; None draws it (version 3)
+        self.source: str | None = None
 
     # --- haystack units: each a line or sentence of its kind; ``gen`` draws the next one --------------
     def units(self, rng: random.Random, hay: str) -> Callable[[], str]:
         b = self.b
         if hay == "prose":
-            docs = [t for _, t in b.sotu()] if rng.random() < 0.4 else b.essays()
+            if self.source is None:
+                docs = [t for _, t in b.sotu()] if rng.random() < 0.4 else b.essays()
+            else:
+                docs = [t for _, t in b.sotu()] if self.source == "sotu" else b.essays()
             return self._sentences(rng, docs or b.essays() or [t for _, t in b.sotu()])
+        if hay == "wiki":
+            paras = b.squad()[1] if self.source == "squad" else b.hotpot_paragraphs()
+            return self._chunks(rng, paras)
+        if hay == "filler":
+            sents = [x.strip() + "." for x in RULER_NOISE.split(".") if x.strip()]
+            at = [rng.randrange(len(sents))]
+
+            def noise() -> str:
+                at[0] += 1
+                return sents[at[0] % len(sents)]
+
+            return noise
         if hay == "docs":
             files = b.linuxdoc()
             if files:
@@ -271,6 +309,23 @@ class Families:
                 lines = [ln for ln in text().splitlines() if ln.strip()]
                 at = rng.randrange(max(1, len(lines) - 60))
                 buf.extend(reversed(lines[at : at + 60]))
+            return buf.pop()
+
+        return nxt
+
+    @staticmethod
+    def _chunks(rng: random.Random, paras: list[str]) -> Callable[[], str]:
+        """Random paragraphs, each cut at sentence ends into pieces of at most 400 characters (a unit's limit)."""
+        buf: list[str] = []
+
+        def nxt() -> str:
+            if not buf:
+                out = [""]
+                for sent in re.split(r"(?<=[.!?])\s+", rng.choice(paras).replace("\n", " ").strip()):
+                    if out[-1] and len(out[-1]) + len(sent) > 380:
+                        out.append("")
+                    out[-1] += sent + " "
+                buf.extend(reversed([x.strip() for x in out if x.strip()]))
             return buf.pop()
 
         return nxt
@@ -426,25 +481,10 @@ class Families:
             r = b._summarize_rst(rng, b.linuxdoc()) if hay == "docs" and b.linuxdoc() else None
             r = r or b._summarize_module(rng)
             body = r["content"].split("\n\n", 1)[1].rsplit("\n\n", 1)[0]
-            ask = rng.choice(
-                (
-                    "Write a short summary of what this document covers, as its opening paragraph.",
-                    "Summarize the material above in a few sentences.",
-                    "What is this about? Give a brief overview.",
-                )
-            )
-            return [body], ask, r["answer"], r["source"]
+            return [body], rng.choice(ASKS[kind]), r["answer"], r["source"]
         if kind == "codegen":
             r = b.code_completion(rng)
-            body = r["content"].split("\n\n", 1)[1]
-            ask = rng.choice(
-                (
-                    "Write the next lines of the last function.",
-                    "Continue the code where it stops.",
-                    "Complete the implementation.",
-                )
-            )
-            return [body], ask, r["answer"], r["source"]
+            return [r["content"].split("\n\n", 1)[1]], rng.choice(ASKS[kind]), r["answer"], r["source"]
         if kind == "continue":
             units = self.haystack(rng, hay, budget)
             n_ans = rng.randint(2, 4)  # the haystack's own next units: real text or the same generator's
@@ -455,7 +495,7 @@ class Families:
             return units, ask, "\n".join(ans), src
         if kind == "rewrite":
             units = self.haystack(rng, hay, budget)
-            last, what = units[-1], "sentence" if hay == "prose" else "line"
+            last, what = units[-1], "sentence" if hay in ("prose", "filler") else "line"
             how = rng.choice(("upper", "reverse", "quote"))
             ask, ans = {
                 "upper": (f"Rewrite the last {what} in capital letters.", last.upper()),
@@ -533,24 +573,40 @@ class Families:
                 break
         else:
             raise RuntimeError(f"no {category} kind fits the families {families}")
-        kind = rng.choice(ok)
+        return self.compose(rng, category, rng.choice(ok), hay, form)
+
+    def sample_at(
+        self, rng: random.Random, category: str, hay: str, form: str, template: str, source: str | None
+    ) -> dict:
+        """One sample of ``category`` with the haystack (and its source), form and template given (version 4)."""
+        kinds = SENSITIVE_KINDS if category == "sensitive" else ROBUST_KINDS
+        ok = [k for k in kinds if hay in KIND_HAYSTACKS.get(k, V4_HAYSTACKS)]
+        if not ok:
+            raise ValueError(f"no {category} kind fits the haystack {hay!r}")
+        self.source = source
+        return self.compose(rng, category, rng.choice(ok), hay, form, template)
+
+    def compose(
+        self, rng: random.Random, category: str, kind: str, hay: str, form: str, template: str | None = None
+    ) -> dict:
         make = self.sensitive if category == "sensitive" else self.robust
         units, question, answer, source = make(rng, kind, hay)
-        msgs = self.messages(
-            rng, hay, form, "\n".join(units) if hay != "prose" else " ".join(units), question, category
-        )
-        template = rng.choice(TEMPLATES)
+        context = " ".join(units) if hay in ("prose", "filler") else "\n".join(units)
+        msgs = self.messages(rng, hay, form, context, question, category)
+        template = template or rng.choice(TEMPLATES)
         return {
             "messages": msgs,
             "prompt": render(template, msgs, self.b.tok),
             "answer": answer,
             "source": source,
-            "family": fam,
+            "family": family(hay, form),
             "kind": kind,
             "template": template,
         }
 
 
+# RULER's filler haystack (niah with noise): the same five sentences over and over
+RULER_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 TABLE_HEAD = "| id | city | owner | amount | status |\n|---|---|---|---|---|"
 
 

@@ -535,6 +535,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         end = total  # finish: the router of the last step is the result
 
     summary: dict[str, Any] = {}
+    if end == total and cfg.rank_prompts:  # every rank: a sharded backbone's forwards are collective
+        meta = meta.model_copy(update={"retrieval": _ranking(cfg, model, tok, state, dev, rank)})
     if rank == 0 and end == total:
         summary = _finish(cfg, out, router, lambdas, meta, examples, skipped, time.time() - t_start, dev)
         extra = {}
@@ -566,6 +568,21 @@ def summarize_log(records: list[dict], tail: float = 0.2) -> dict[str, Any]:
         "lm_loss": sum(r["lm_loss"] for r in last) / len(last),
         "steps_averaged": len(last),
     }
+
+
+def _ranking(cfg: TrainConfig, model, tok, state, dev, rank: int):
+    """The retrieval-head ranking of the backbone (``train/ranking.py``) for the router's checkpoint."""
+    from elastic_vllm.train.ranking import calibration_records, measure_ranking
+
+    records, desc = calibration_records(tok, cfg.rank_lengths, cfg.rank_prompts, haystack=cfg.rank_haystack)
+    desc = {**desc, "model": Path(cfg.model).name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    state.train = None
+    t0 = time.perf_counter()
+    ranking = measure_ranking(model, tok, records, desc, dev)
+    if rank == 0:
+        print(f"train-router: retrieval-head ranking from {len(records)} prompts ({time.perf_counter() - t0:.0f} s)",
+              file=sys.stderr)  # fmt: skip
+    return ranking
 
 
 def _finish(cfg, out, router, lambdas, meta, examples, skipped, wall, dev) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from elastic_vllm.vllm_plugin.ops import resolve_ops, torch_attention, triton_at
 from elastic_vllm.vllm_plugin.routing import RouteBatch
 
 SUPPORTED_HEAD_SIZES = [32, 64, 128, 256]
-CUDA_BLOCK_SIZE = 128  # get_preferred_block_size: the csrc kernels' fastest cache block on the H200
+CUDA_BLOCK_SIZE = 128  # get_preferred_block_size: the kernels' fastest cache block on the H200
 
 
 class ElasticAttentionBackend(compat.AttentionBackend):
@@ -86,6 +86,9 @@ class ElasticAttentionBackend(compat.AttentionBackend):
 
 @dataclass
 class ElasticMetadata:
+    """One step's attention metadata, plain data as vLLM's backends keep it (the engine's mutable state stays with
+    the impl): vLLM's tensors, the host copies the torch path loops over, and what the step plan decided."""
+
     num_actual_tokens: int
     num_reqs: int
     max_query_len: int
@@ -99,11 +102,10 @@ class ElasticMetadata:
     route: RouteBatch | None  # rows routed at this step (eager steps only)
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
-    state: Any  # state.EngineState
     prefill_query_start_loc: torch.Tensor | None = None  # [B - num_decodes + 1] (Triton path, mixed steps)
     causal: bool = True
-    dense: bool = False  # every head of every row is FA: state.dense_attention (vLLM's FlashAttention) runs it
-    fa_split: bool = False  # prompt rows' FA heads on state.fa_heads_attention, the other heads on the elastic kernel
+    dense: bool = False  # every head of every row is FA: EngineState.dense_attention (vLLM's FlashAttention) runs it
+    fa_split: bool = False  # prompt rows' FA heads on EngineState.fa_heads_attention, the other heads on ours
 
 
 class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
@@ -159,7 +161,6 @@ class ElasticMetadataBuilder(compat.AttentionMetadataBuilder[ElasticMetadata]):
             route=plan.route,
             query_start_loc_host=qsl,
             seq_lens_host=plan.seq_lens,
-            state=self.state,
             prefill_query_start_loc=prefill_qsl,
             dense=plan.dense,
             fa_split=plan.fa_split,
@@ -203,8 +204,8 @@ class ElasticAttentionImpl(compat.AttentionImpl[ElasticMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         # configuration, model support and router are checked here, before any weight loads
-        st = state_mod.for_config(compat.get_current_vllm_config())
-        self.params = replace(st.params, scale=self.scale)
+        self.state = state_mod.for_config(compat.get_current_vllm_config())
+        self.params = replace(self.state.params, scale=self.scale)
         self.layer_idx: int | None = None
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -228,7 +229,7 @@ class ElasticAttentionImpl(compat.AttentionImpl[ElasticMetadata]):
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
         md = attn_metadata
-        st = md.state
+        st = self.state
         if self.layer_idx is None:
             self.layer_idx = compat.extract_layer_index(layer.layer_name)
         li = self.layer_idx

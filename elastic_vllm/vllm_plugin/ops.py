@@ -14,7 +14,7 @@ Both implementations compute what ``elastic_vllm.reference.attention.hybrid_atte
   cache, SDPA with a bottom-right causal mask for FA heads, a restricted key range (sink + window,
   query tiles) for SSA heads, the reference XAttention selection for XA heads. An SSA head whose
   sequence fits in the window is exactly FA and runs with the FA heads.
-- ``triton``: ``elastic_vllm.csrc`` kernels (one-launch hybrid prefill over the paged cache with
+- ``triton``: ``elastic_vllm.ops`` kernels (one-launch hybrid prefill over the paged cache with
   per-(request, KV head) modes, XAttention selection, split-KV decode; the fused router in
   ``routing.TritonRouter``). Selected with ``ELASTIC_VLLM_OPS=triton`` or
   ``--additional-config '{"elastic_ops": "triton"}'``; the default ``auto`` is triton on CUDA and
@@ -30,8 +30,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from elastic_vllm import ops as kernels
 from elastic_vllm.config import HeadMode
-from elastic_vllm.reference.xattn import xattn_block_mask_ref
+from elastic_vllm.ops.xattn_select.naive import xattn_block_mask_ref
+from elastic_vllm.reference.mask import ssa_keep
+
+if kernels.AVAILABLE:  # the one check: ops=torch runs without Triton
+    from elastic_vllm.ops.decode import kernel as decode_kernel
+    from elastic_vllm.ops.prefill import kernel as prefill_kernel
+    from elastic_vllm.ops.xattn_select import kernel as xattn_kernel
 
 OPS_CHOICES = ("auto", "torch", "triton")
 OPS_ENV = "ELASTIC_VLLM_OPS"
@@ -111,7 +118,7 @@ def _ssa(q, k, v, q0: int, sink: int, window: int, scale: float) -> torch.Tensor
         kpos = torch.cat([torch.arange(min(sink, lo)), torch.arange(lo, pb)]).to(q.device)
         i = torch.arange(pa, pb, device=q.device)[:, None]
         j = kpos[None, :]
-        mask = (j <= i) & ((j < sink) | (i - j < window))
+        mask = (j <= i) & ssa_keep(i, j, sink, window)
         out[a:b] = _sdpa(q[a:b], k.index_select(0, kpos), v.index_select(0, kpos), mask, scale)
     return out
 
@@ -181,15 +188,10 @@ def torch_attention(
 
 # --- Triton -----------------------------------------------------------------------------------
 def triton_kernels():
-    """The csrc kernel modules; a clear error when they are not importable."""
-    try:
-        from elastic_vllm.csrc import decode, prefill, xattn_select
-    except ImportError as e:
-        raise RuntimeError(
-            f"elastic: ops=triton needs the Triton kernels of elastic_vllm.csrc (prefill, decode, xattn_select), "
-            f"which are not importable here ({e}); use ops=torch (ELASTIC_VLLM_OPS=torch)"
-        ) from None
-    return prefill, decode, xattn_select
+    """The kernel modules (prefill, decode, xattn_select); a RuntimeError naming the problem where they cannot
+    load."""
+    kernels.require("ops=triton (ELASTIC_VLLM_OPS=torch runs without them)")
+    return prefill_kernel, decode_kernel, xattn_kernel
 
 
 def triton_attention(

@@ -12,8 +12,9 @@ router prefers SA most in each layer, :func:`router.model.budget_sa_counts`). On
 ``elastic_force`` other than auto; they replace the server's ``bias`` / ``target_omega`` for that request.
 ``elastic_load_bias`` is written by the engine's load policy (``load_policy.py``) and refused from clients.
 Retired keys (``config.RETIRED_CLIENT_OVERRIDES``, e.g. ``elastic_sa_share``) are refused naming their replacement,
-and any other unknown ``elastic_*`` key naming the known ones: a client that sends one would otherwise run the
-server's default routing without noticing.
+and any other key that reads ``elastic...`` once case, surrounding whitespace, ``_`` and ``-`` are set aside
+(``ELASTIC_FORCE``, ``" elastic_force"``, ``elasticforce``, ``elastic_forc``) naming the known ones: a client that
+sends one would otherwise run the server's default routing without noticing.
 
 The server's ``client_overrides`` (``ElasticConfig``) says which of ``all-FA``, ``all-SA``,
 ``elastic_bias`` and ``elastic_target_omega`` clients may send; a request using another
@@ -41,10 +42,28 @@ OVERRIDE_KEY = "elastic_force"
 BIAS_KEY = "elastic_bias"
 TARGET_KEY = "elastic_target_omega"
 LOAD_BIAS_KEY = "elastic_load_bias"  # written by the engine core's load policy, never by a client
-# Any other key with this prefix is refused: a misspelt knob ("elastic_forc") would otherwise be ignored and the
+# Any other key that starts with this once case, surrounding whitespace, "_" and "-" are set aside is refused: a
+# misspelt knob ("elastic_forc", "ELASTIC_FORCE", " elastic_force", "elasticforce") would otherwise be ignored and the
 # request would run the server's default routing without the client noticing.
-KEY_PREFIX = "elastic_"
+KEY_PREFIX = "elastic"
 CLIENT_KEYS = (OVERRIDE_KEY, BIAS_KEY, TARGET_KEY)
+
+
+def normalized_key(key: str) -> str:
+    """``key`` as a misspelling may disguise it: casefolded, stripped, without "_" and "-"."""
+    return key.strip().casefold().replace("_", "").replace("-", "")
+
+
+_NORMALIZED_CLIENT_KEYS = {normalized_key(k): k for k in CLIENT_KEYS}
+
+
+def _unknown_key_error(key: str) -> ValueError:
+    """The 400 for a key that looks like one of ours but is none: named as sent (quoted when it has odd characters)
+    and the known keys, with the one it was probably meant to be."""
+    name = key if len(key) <= 80 and key.isprintable() and key == key.strip() else short_repr(key)
+    meant = _NORMALIZED_CLIENT_KEYS.get(normalized_key(key))
+    hint = f"did you mean {meant}? " if meant else ""
+    return ValueError(f"vllm_xargs.{name}: not an elastic-vllm key ({hint}known: {', '.join(CLIENT_KEYS)})")
 
 
 def request_override(extra_args: dict[str, Any] | None) -> str:
@@ -95,9 +114,8 @@ def request_knobs(extra_args: dict[str, Any] | None) -> Knobs:
         if key in extra_args:
             raise ValueError(f"vllm_xargs.{key}: no longer supported; {use}")
     for key in extra_args:
-        if isinstance(key, str) and key.startswith(KEY_PREFIX) and key not in CLIENT_KEYS:
-            name = key if len(key) <= 80 and key.isprintable() else short_repr(key)  # one line in the 400
-            raise ValueError(f"vllm_xargs.{name}: not an elastic-vllm key (known: {', '.join(CLIENT_KEYS)})")
+        if isinstance(key, str) and key not in CLIENT_KEYS and normalized_key(key).startswith(KEY_PREFIX):
+            raise _unknown_key_error(key)
     bias = _number(extra_args, BIAS_KEY, -BIAS_MAX, BIAS_MAX) if BIAS_KEY in extra_args else None
     target = _number(extra_args, TARGET_KEY, 0.0, 1.0) if TARGET_KEY in extra_args else None
     knobs = Knobs(bias, target)

@@ -34,14 +34,14 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from elastic_vllm.vllm_plugin import compat
+    from elastic_vllm.vllm_plugin import compat, load_policy
 
     _share_vllm_logging()
     if compat.register_custom_backend(BACKEND_PATH, ALIAS):
         compat.route_cpu_platform_custom_backend(BACKEND_PATH)
         compat.install_request_validator(_validate, _cache_salt, BACKEND_PATH)
         compat.install_startup_check(_startup_check, BACKEND_PATH)
-        compat.install_load_policy(_load_policy, BACKEND_PATH)
+        load_policy.install(BACKEND_PATH)
     _registered = True
 
 
@@ -65,12 +65,6 @@ def _share_vllm_logging() -> None:
     ours.addHandler(_ToVllmHandlers())
     if ours.level == logging.NOTSET:
         ours.setLevel(logging.INFO)
-
-
-def _load_policy(vllm_config):
-    from elastic_vllm.vllm_plugin.load_policy import for_config
-
-    return for_config(vllm_config)
 
 
 def _startup_check(vllm_config, http: bool) -> None:

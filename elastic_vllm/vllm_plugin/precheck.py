@@ -11,7 +11,8 @@ the problem and its fix, for:
 - the model: NeoX-RoPE architecture, no speculative decoding;
 - the router checkpoint: found (``router_path`` or the shipped routers, in the documented search
   order), intact (sha256, tensor names and shapes, finite weights) and trained for this model's shape
-  (from its config.json): ``RouterCheckpointError``;
+  (from its config.json): ``RouterCheckpointError``; with ``fa_floor`` > 0, holding a retrieval-head ranking
+  (``ConfigError`` naming ``elastic-vllm router-rank``);
 - the Prometheus multiprocess folder, when PROMETHEUS_MULTIPROC_DIR is set: an existing folder this
   process can write to.
 
@@ -29,11 +30,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from elastic_vllm.config import ConfigError, ElasticConfig
+from elastic_vllm.config import ConfigError, ElasticConfig, short_repr
 
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
 
 PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Pre-RoPE key recovery inverts NeoX-style (rotate-half) RoPE, which these architectures use.
+NEOX_ROPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite")
+ADDITIONAL_CONFIG = "--additional-config"
 _warned: set[str] = set()
 
 
@@ -96,6 +100,33 @@ def check_router_training(meta_attention: dict[str, Any], cfg: ElasticConfig, pa
         )
 
 
+def parse_additional_config(vllm_config) -> tuple[ElasticConfig, str | None]:
+    """ElasticConfig from ``--additional-config '{"elastic": {...}}'`` (errors name the field), and
+    the optional ``elastic_ops`` ("auto" | "torch" | "triton")."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"invalid elastic config: additional_config must be a JSON object, got {extra!r}")
+    return ElasticConfig.parse(extra.get("elastic")), extra.get("elastic_ops")
+
+
+def check_model_support(vllm_config) -> None:
+    """The model features the backend needs (NeoX RoPE, no speculative decoding, a supported parallel mode); a
+    ConfigError naming the one missing. Run here (the API server) and again by the engine (``state.EngineState``)."""
+    from elastic_vllm.vllm_plugin import parallel
+
+    hf = vllm_config.model_config.hf_config
+    text = getattr(hf, "text_config", None) or hf
+    model_type = getattr(text, "model_type", "unknown")
+    if model_type not in NEOX_ROPE_MODEL_TYPES:
+        raise ConfigError(
+            f"elastic: model_type {model_type!r} is not supported: pre-RoPE key recovery is implemented for "
+            f"NeoX-style RoPE models ({', '.join(NEOX_ROPE_MODEL_TYPES)})"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ConfigError("elastic: speculative decoding is not supported by the elastic attention backend")
+    parallel.check_parallel_support(vllm_config)
+
+
 def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
     """Every startup check that needs no engine (see the module docstring); raises naming the problem.
     ``http``: the process serves HTTP (`vllm serve`), whose /metrics the engine's metrics must reach."""
@@ -103,9 +134,9 @@ def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
 
     from elastic_vllm.router.checkpoint import BackboneShape, load_router
     from elastic_vllm.router.discovery import resolve_router_path
+    from elastic_vllm.router.policy import floor_of
     from elastic_vllm.vllm_plugin import compat
     from elastic_vllm.vllm_plugin.ops import resolve_ops
-    from elastic_vllm.vllm_plugin.state import check_model_support, parse_additional_config
 
     cfg, ops_requested = parse_additional_config(vllm_config)
     device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"
@@ -119,6 +150,7 @@ def check_engine_config(vllm_config: Any, http: bool = True) -> ElasticConfig:
     if path is not None:
         ck = load_router(path, expect=shape, model_name=model_name, device="cpu")
         check_router_training(ck.meta.attention, cfg, ck.path)
+        floor_of(ck.router, cfg, ck.path)  # fa_floor > 0 needs the checkpoint's ranking
     check_metrics_dir(http=http)
     return cfg
 
@@ -136,21 +168,24 @@ def _arg(extra: list[str], name: str) -> str | None:
 
 def check_serve_args(model: str, extra: list[str]) -> None:
     """What `elastic-vllm serve` can check before starting vLLM (0.5 s for a bad field, 5 s for a router, measured
-    on the 2-core CPU machine, instead of vLLM's import and engine configuration, ~16 s): the elastic configuration of ``--additional-config`` and, for a local model folder,
-    the router against its config.json. Anything it cannot read (a hub id, a config file, another backend) is
-    left to the check in the API server (:func:`check_engine_config`), which covers everything."""
+    on the 2-core CPU machine, instead of vLLM's import and engine configuration, ~16 s): ``--additional-config``
+    (one JSON object), its elastic configuration and, for a local model folder, the router against its
+    config.json. Anything it cannot read (a hub id, a config file) is left to the check in the API server
+    (:func:`check_engine_config`), which covers everything."""
     import json
     from types import SimpleNamespace
 
+    raw = _arg(extra, ADDITIONAL_CONFIG)
+    try:
+        additional = json.loads(raw) if raw is not None else {}
+    except json.JSONDecodeError as e:  # vLLM's argparse says only "cannot be converted", after its ~16 s import
+        raise ConfigError(
+            f"{ADDITIONAL_CONFIG} is not valid JSON: {e.msg} at character {e.pos + 1} (got {short_repr(raw)})"
+        ) from None
+    if not isinstance(additional, dict):
+        raise ConfigError(f"{ADDITIONAL_CONFIG} must be a JSON object (got {short_repr(additional)})")
     backend = _arg(extra, "--attention-backend")
     if backend is not None and backend.lower() != "elastic":
-        return
-    raw = _arg(extra, "--additional-config")
-    try:
-        additional = json.loads(raw) if raw else {}
-    except json.JSONDecodeError:
-        return  # vLLM reports it
-    if not isinstance(additional, dict):
         return
     cfg = ElasticConfig.parse(additional.get("elastic"))
     config_json = Path(model) / "config.json"
@@ -170,4 +205,6 @@ def check_serve_args(model: str, extra: list[str]) -> None:
     name = _arg(extra, "--served-model-name") or model
     path = resolve_router_path(cfg, shape, name)
     if path is not None:
-        load_router(path, expect=shape, model_name=name, device="cpu")
+        from elastic_vllm.router.policy import floor_of
+
+        floor_of(load_router(path, expect=shape, model_name=name, device="cpu").router, cfg, path)

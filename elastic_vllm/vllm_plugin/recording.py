@@ -32,7 +32,7 @@ from elastic_vllm.vllm_plugin.overrides import routing_mode
 from elastic_vllm.vllm_plugin.parallel import HeadCounts, OmegaExchange, Topology
 
 if TYPE_CHECKING:
-    from elastic_vllm.vllm_plugin.state import RequestState
+    from elastic_vllm.vllm_plugin.requests import RequestState
 
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
 
@@ -161,7 +161,7 @@ class Recorder:
     def _record(self, snap: Snapshot) -> None:
         latency = snap.timer.seconds()  # the step's router time, shared by the rows routed in it
         fa, modes, logits, pooled = snap.fa, snap.modes, snap.logits, snap.pooled
-        self._count_nonfinite(snap.states, logits)
+        self._count_nonfinite(snap.states, logits, fa)
         fresh: list[tuple[int, RequestState, float]] = []  # (index, state, local Omega_ESR)
         for i, st in enumerate(snap.states):
             st.router_time = latency
@@ -223,10 +223,13 @@ class Recorder:
                 )
             )
 
-    def _count_nonfinite(self, states: list[RequestState], logits: torch.Tensor) -> None:
-        """Heads whose router logits were NaN / inf ran as FA (``router.model.decide``): count them, and
-        warn the first time (a router that overflows, or NaN keys in the cache)."""
-        bad = (~torch.isfinite(logits)).any(-1)  # [P, L, H]
+    def _count_nonfinite(self, states: list[RequestState], logits: torch.Tensor, fa: torch.Tensor) -> None:
+        """Heads that ran FA because their router logits were NaN / inf (``router.model.decide``): count them, and
+        warn the first time (a router that overflows, or NaN keys in the cache). Only those: a budget
+        (``decide_budget``) may still send such a head to SA, and a forced request's heads never follow its router.
+        logits [P, L, H, 2], fa [P, L, H] (final decisions)."""
+        routed = torch.tensor([st.force == "auto" for st in states], dtype=torch.bool).view(-1, 1, 1)
+        bad = (~torch.isfinite(logits)).any(-1) & fa.bool() & routed  # [P, L, H]
         n = int(bad.sum())
         if not n:
             return

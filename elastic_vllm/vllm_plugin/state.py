@@ -1,8 +1,10 @@
 """Per-engine state of the elastic backend: configuration, router, routing table, request lifecycle.
 
-One file of ~590 lines (a third docstrings) because :class:`EngineState` is the one object the runner hooks,
-the metadata builder and every layer's forward share within a step; what needs none of that lives apart:
-recording (``recording.py``), the parallel layout (``parallel.py``), router discovery (``router/discovery.py``).
+One file of ~460 lines (a third docstrings) because :class:`EngineState` is the one object the runner hooks,
+the metadata builder and every layer's forward share within a step (its step plan, budget tables and routing glue
+read one another's fields); what needs none of that lives apart: the requests and their slots (``requests.py``),
+the configuration and model checks (``precheck.py``), recording (``recording.py``), the parallel layout
+(``parallel.py``), router discovery (``router/discovery.py``).
 
 One :class:`EngineState` per vLLM engine (per worker process and VllmConfig). It is created by the
 first ``ElasticAttentionImpl`` (model construction: configuration and router are checked before any
@@ -15,16 +17,9 @@ Per-request state (both model runners)::
                              table_fa     [S, L, Hkv] bool   router decision, True = FA
                              table_logits [S, L, Hkv, 2]     router logits
     per step (device)        row_modes    [L, B, Hkv] int32  what every layer's kernel reads
-    host                     requests: req_id -> RequestState (prompt length, override, slot, final?)
+    host                     requests: ``requests.Requests`` (req_id -> RequestState, slots, the lifecycle)
 
-    slot   V2 runner with CommonAttentionMetadata.req_idx (0.32+): vLLM's own request slot;
-           otherwise (V1 runner, 0.26's V2): our slot allocator, slot freed when the request ends.
-           Slot S-1 is reserved and stays all-FA (dummy and padding rows read it).
     rows   the request id of each batch row, recorded by the runner hook in row order each step.
-
-Lifecycle, from each step's SchedulerOutput: a new request gets a state (prompt length, override);
-``finished_req_ids`` (done or aborted) frees it; a preempted / resumed request keeps its state but its
-routing is recomputed when it reaches the end of its prompt again (and compared with the first one).
 
 When a row is routed (its request has no final routing yet):
 
@@ -47,14 +42,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from elastic_vllm.config import ConfigError, ElasticConfig, HeadMode
+from elastic_vllm.config import ElasticConfig, HeadMode
 from elastic_vllm.reference.rope import RopeSpec
 from elastic_vllm.router.checkpoint import (
     BackboneShape,
@@ -62,81 +56,29 @@ from elastic_vllm.router.checkpoint import (
 )
 from elastic_vllm.router.discovery import resolve_router_path
 from elastic_vllm.router.model import budget_sa_counts
+from elastic_vllm.router.policy import RoutingTables, decode_modes, describe_floor, floor_of
 from elastic_vllm.vllm_plugin import compat, observe, parallel
 from elastic_vllm.vllm_plugin.ops import AttnParams, resolve_ops
-from elastic_vllm.vllm_plugin.overrides import (
-    LOAD_BIAS_KEY,
-    Knobs,
-    check_allowed,
-    effective_force,
-    engine_load_bias,
-    request_knobs,
-    request_override,
-)
 from elastic_vllm.vllm_plugin.parallel import global_kv_heads, is_first_replica
+from elastic_vllm.vllm_plugin.precheck import check_model_support, parse_additional_config
 from elastic_vllm.vllm_plugin.recording import Recorder, StepTimer
-from elastic_vllm.vllm_plugin.routing import (
-    RouteBatch,
-    RouteRow,
-    TritonRouter,
-    build_route_batch,
-    decode_modes,
-    route_layer,
-)
+from elastic_vllm.vllm_plugin.requests import Requests, RequestState
+from elastic_vllm.vllm_plugin.routing import RouteBatch, RouteRow, TritonRouter, build_route_batch, route_layer
 
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
 
-# Pre-RoPE key recovery inverts NeoX-style (rotate-half) RoPE, which these architectures use.
-NEOX_ROPE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite")
 RECORD_POOLED_ENV = "ELASTIC_VLLM_RECORD_POOLED"
 # Hybrid prefill steps whose longest row reaches this many tokens run their FA heads on vLLM's FlashAttention
 # (``ops.fa_heads_attention``: Hkv calls per layer); shorter ones keep every head in the one hybrid launch.
-# The split saves ~19% of the FA heads' time (fused FA tiles 16.6 ms vs FA3 13.3 ms, 32K dense layer, H200) and
-# costs Hkv more launches (~40 us of host per layer at 8 KV heads): at 8K with 2 of 8 heads FA the saving
-# (~0.05 ms of the layer's 0.29 ms of FA work) is about that cost, at 16K it is ~5x it. Until
-# benchmarks/fa_split.py has timed the crossing on the GPU, 16K is the bound.
+# benchmarks/results/fa-split-h100.json (one layer, split vs fused, SA shares 0-0.75): the Llama-3.1-8B shape
+# (d128, 8 KV heads) gains from 16K at every share (2 of 8 heads FA: 1.41 vs 1.61 ms at 16K context), is level at
+# 8K-12K (0.93 vs 0.93 ms, 0.75 vs 0.74 ms) and loses at 4K (0.52 vs 0.39 ms: the Hkv extra launches); the demo
+# shape (d64, 3 KV heads) loses until 32K, past its 8K context. 16K: the d128 gain is clear (>= 1.14x) at every
+# share, where 8K-12K would trade a tie for a loss on d64 models.
 FA_SPLIT_MIN_SEQ = 16384
 # Budget tables kept (elastic_target_omega / target_omega): clients choose the floats, so the cache must not grow
 # with them; each table is L ints and an evicted one is rebuilt on its next use.
 BUDGET_TABLES = 64
-
-
-def parse_additional_config(vllm_config) -> tuple[ElasticConfig, str | None]:
-    """ElasticConfig from ``--additional-config '{"elastic": {...}}'`` (errors name the field), and
-    the optional ``elastic_ops`` ("auto" | "torch" | "triton")."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    if not isinstance(extra, dict):
-        raise ConfigError(f"invalid elastic config: additional_config must be a JSON object, got {extra!r}")
-    return ElasticConfig.parse(extra.get("elastic")), extra.get("elastic_ops")
-
-
-# Request ids vLLM 0.26's model runner V2 gives the requests of its kernel warm-up, which it runs through
-# execute_model like scheduled requests (vllm/v1/worker/gpu/warmup.py: warmup_kernels, min(max_num_seqs, ...)
-# requests of 2 tokens; run_mixed_prefill_decode_warmup). They are routed like any request (the warm-up must
-# compile what real requests run) but are no requests of a client: recording them put max_num_seqs phantom
-# Omega observations on /metrics (the TP=2 H200 check: 12 observations for 4 requests, the 8 extra summing to
-# exactly 4.0).
-VLLM_WARMUP_REQ_ID = re.compile(r"_warmup_\d+_|_v2_mixed_warmup_(?:decode|prefill)_")
-
-
-def check_model_support(vllm_config) -> None:
-    """The model features the backend needs (NeoX RoPE, no speculative decoding, a supported parallel mode); a
-    ConfigError naming the one missing. Run by the API-server precheck and again by the engine."""
-    hf = vllm_config.model_config.hf_config
-    text = getattr(hf, "text_config", None) or hf
-    model_type = getattr(text, "model_type", "unknown")
-    if model_type not in NEOX_ROPE_MODEL_TYPES:
-        raise ConfigError(
-            f"elastic: model_type {model_type!r} is not supported: pre-RoPE key recovery is implemented for "
-            f"NeoX-style RoPE models ({', '.join(NEOX_ROPE_MODEL_TYPES)})"
-        )
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise ConfigError("elastic: speculative decoding is not supported by the elastic attention backend")
-    parallel.check_parallel_support(vllm_config)
-
-
-def is_vllm_warmup_request(req_id: str) -> bool:
-    return VLLM_WARMUP_REQ_ID.fullmatch(req_id) is not None
 
 
 def row_is_dense(cfg: ElasticConfig, seq_len: int, force: str, decode_phase: bool) -> bool:
@@ -153,27 +95,6 @@ def row_is_dense(cfg: ElasticConfig, seq_len: int, force: str, decode_phase: boo
     if seq_len <= cfg.sink + cfg.window:
         return True
     return (decode_phase and cfg.decode_mode == "dense") or force == "all-FA"
-
-
-@dataclass
-class RequestState:
-    req_id: str
-    prompt_len: int
-    override: str  # the request's own elastic_force
-    force: str  # effective: override, or the server's force when override is auto
-    knobs: Knobs = field(default_factory=Knobs)  # its own elastic_bias / elastic_target_omega (recorded as requested)
-    bias: float = 0.0  # what its routing applies: its own bias, else the server's bias plus the load bias
-    target: float | None = None  # its own target, else the server's target_omega (when it sent no bias)
-    load_bias: float = 0.0  # the bias level the engine core's load policy gave it at admission
-    slot: int | None = None  # our allocator's slot (None with vLLM's req_idx)
-    table_slot: int | None = None  # where its final routing sits in the table
-    final: bool = False
-    recorded: bool = False
-    pending: bool = False  # final this step: record at step end
-    router_time: float = 0.0
-    first_decisions: torch.Tensor | None = None
-    xa_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, head) -> [nb, nb]
-    warmup: bool = False  # one of vLLM's own warm-up requests: routed, never recorded
 
 
 @dataclass
@@ -215,6 +136,8 @@ class EngineState(compat.RunnerObserver):
         self.router = None
         self.router_path = None
         self._load_router()
+        # the fa_floor mask of the whole model [L, all KV heads] (None: off); this rank keeps its KV heads' columns
+        self.floor_heads = floor_of(self.router, self.cfg, self.router_path)
         self.params = AttnParams(
             scale=0.0,  # set per layer by the impl
             sink=self.cfg.sink,
@@ -225,11 +148,9 @@ class EngineState(compat.RunnerObserver):
         )
         self.record_pooled = os.environ.get(RECORD_POOLED_ENV, "0") not in ("", "0")
         self.use_v2_runner = compat.uses_v2_model_runner(vllm_config)
-        self.requests: dict[str, RequestState] = {}
+        self.requests = Requests(self.cfg)
         self.budget_tables: dict[float, list[int]] = {}  # target -> SA heads per layer (this rank)
         self.rows: list[str | None] | None = None
-        self.step_tokens: dict[str, int] = {}
-        self.step_computed: dict[str, int] = {}
         self.in_step = False
         self.plan: StepPlan | None = None
         self.attached = False
@@ -242,9 +163,10 @@ class EngineState(compat.RunnerObserver):
             self.cfg, self.model_name, self.topo, self.kv_heads, self.first_replica, self.router_path
         )
         logger.info(
-            "elastic attention: %s, router %s, ops=%s, %s, KV heads %s",
+            "elastic attention: %s, router %s, %s, ops=%s, %s, KV heads %s",
             self.cfg.model_dump(exclude={"router_path"}),
             self.router_path or f"none (force {self.cfg.force})",
+            describe_floor(self.router, self.cfg, self.floor_heads),
             self.ops,
             self.topo.describe(),
             list(self.kv_heads),
@@ -289,7 +211,16 @@ class EngineState(compat.RunnerObserver):
             else None
         )
         self.row_modes = torch.zeros(L, max_rows, H, dtype=torch.int32, device=device)
-        self.free_slots = list(range(self.num_slots - 2, -1, -1))
+        self.tables = RoutingTables(
+            self.row_modes, self.table_modes, self.table_fa, self.table_logits, self.table_pooled
+        )
+        # the fa_floor mask of this rank's KV heads, [L, Hkv] int8 (all 0: no floor); with pipeline parallelism the
+        # tables keep the global layer index, so a stage reads its own layers' rows
+        self.floor = torch.zeros(L, H, dtype=torch.int8, device=device)
+        self.has_floor = self.floor_heads is not None and bool(self.floor_heads[:, list(self.kv_heads)].any())
+        if self.floor_heads is not None:
+            self.floor.copy_(self.floor_heads[:, list(self.kv_heads)].to(torch.int8))
+        self.requests.size_slots(self.num_slots)
         self.timer = StepTimer(device)
         self.kernel_router = (
             TritonRouter(self.router, self.rope, L, H, max_rows, device)
@@ -306,22 +237,7 @@ class EngineState(compat.RunnerObserver):
         self.rows = None
         if self.attached:
             self.timer = StepTimer(self.device)
-        for rid in so.finished_req_ids:  # finished or aborted: free
-            self._free(rid)
-        for rid in getattr(so, "preempted_req_ids", None) or ():
-            self._readmit(rid)
-        for nr in so.scheduled_new_reqs:
-            if nr.req_id in self.requests:  # V2 re-adds preempted requests as new ones
-                self._readmit(nr.req_id)
-            else:
-                self._add(nr)
-            self.step_computed[nr.req_id] = nr.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        for rid in getattr(cached, "resumed_req_ids", None) or ():
-            self._readmit(rid)
-        for rid, n in zip(cached.req_ids, cached.num_computed_tokens):
-            self.step_computed[rid] = n
-        self.step_tokens = dict(so.num_scheduled_tokens)
+        self.requests.begin_step(so)
         self._publish_live()
 
     def _publish_live(self) -> None:
@@ -353,58 +269,10 @@ class EngineState(compat.RunnerObserver):
             self.in_step = False
             self.rows = None
             self.plan = None
-            self.step_tokens = {}
-            self.step_computed = {}
+            self.requests.end_step()
 
     def needs_eager_attention(self) -> bool:
-        """A row of this step may be routed: attention (which routes) must run eagerly, not in a
-        FULL CUDA graph (e.g. a chunk of one token, or the last prompt token of a full prefix hit)."""
-        return any(rid in self.requests and not self.requests[rid].final for rid in self.step_tokens)
-
-    def _add(self, nr) -> None:
-        if nr.prompt_token_ids is not None:
-            prompt_len = len(nr.prompt_token_ids)
-        elif getattr(nr, "prompt_embeds", None) is not None:
-            prompt_len = int(nr.prompt_embeds.shape[0])
-        else:
-            raise RuntimeError(f"elastic: request {nr.req_id} has neither prompt token ids nor embeddings")
-        extra = getattr(nr.sampling_params, "extra_args", None) if nr.sampling_params is not None else None
-        client = {k: v for k, v in extra.items() if k != LOAD_BIAS_KEY} if extra else extra
-        try:
-            override = request_override(client)
-            knobs = request_knobs(client)
-            check_allowed(override, self.cfg, knobs)
-            load_bias = engine_load_bias(extra, self.cfg.load_policy.max_bias)
-        except ValueError as e:  # admission validates this; never take the engine down for it
-            logger.error("elastic: request %s: %s; using the server default", nr.req_id, e)
-            observe.COUNTERS.invalid_overrides += 1
-            override, knobs, load_bias = "auto", Knobs(), 0.0
-        if knobs.key is not None:  # its own knob replaces the server's bias / target and the load policy
-            bias, target = knobs.bias or 0.0, knobs.target
-        else:
-            bias, target = self.cfg.bias + load_bias, self.cfg.target_omega
-        self.requests[nr.req_id] = RequestState(
-            req_id=nr.req_id,
-            prompt_len=prompt_len,
-            override=override,
-            force=effective_force(override, self.cfg.force),
-            knobs=knobs,
-            bias=bias,
-            target=target,
-            load_bias=load_bias,
-            warmup=is_vllm_warmup_request(nr.req_id),
-        )
-
-    def _readmit(self, rid: str) -> None:
-        st = self.requests.get(rid)
-        if st is not None and st.final:
-            st.final = False
-            st.xa_rows.clear()
-
-    def _free(self, rid: str) -> None:
-        st = self.requests.pop(rid, None)
-        if st is not None and st.slot is not None:
-            self.free_slots.append(st.slot)
+        return self.requests.needs_eager_attention()
 
     def live_request_ids(self) -> list[str]:
         return list(self.requests)
@@ -429,16 +297,16 @@ class EngineState(compat.RunnerObserver):
             if st is None or q_len == 0:
                 states.append(None)
                 continue
-            seq_len = self.step_computed[st.req_id] + self.step_tokens[st.req_id]
-            if self.step_tokens[st.req_id] != q_len:
+            scheduled = self.requests.step_tokens[st.req_id]
+            seq_len = self.requests.step_computed[st.req_id] + scheduled
+            if scheduled != q_len:
                 raise RuntimeError(
-                    f"elastic: row {b} ({st.req_id}) has {q_len} queries but the scheduler gave it "
-                    f"{self.step_tokens[st.req_id]} tokens"
+                    f"elastic: row {b} ({st.req_id}) has {q_len} queries but the scheduler gave it {scheduled} tokens"
                 )
             states.append(st)
             start = seq_len - q_len
             decode_phase = start >= st.prompt_len
-            slot = int(req_idx[b]) if req_idx is not None else self._slot(st)
+            slot = int(req_idx[b]) if req_idx is not None else self.requests.slot(st)
             routed = True
             if st.final:
                 slot_of_row[b] = st.table_slot
@@ -517,37 +385,19 @@ class EngineState(compat.RunnerObserver):
                 self.budget_tables.pop(next(iter(self.budget_tables)))
         return counts
 
-    def _slot(self, st: RequestState) -> int:
-        if st.slot is None:
-            if not self.free_slots:
-                raise RuntimeError(f"elastic: no free routing slot for {st.req_id} ({self.num_slots - 1} slots)")
-            st.slot = self.free_slots.pop()
-        return st.slot
-
     # --- per layer (impl.forward) ----------------------------------------------------------------
     def route(self, layer: int, key_cache: torch.Tensor, rb: RouteBatch) -> None:
         t0 = self.timer.start()
         if self.kernel_router is not None and rb.any_auto and not rb.needs_glue:
-            # the fused path: the router kernel writes row_modes and the final routings' tables itself
-            tables = (self.row_modes, self.table_modes, self.table_fa, self.table_logits)
-            self.kernel_router.route_into(layer, key_cache, rb, self.cfg, tables)
+            # the fused path: the router kernel writes the tables itself
+            self.kernel_router.route_into(layer, key_cache, rb, self.cfg, self.tables, self.floor)
             observe.COUNTERS.fused_route_layers += 1
-            self.timer.stop(t0)
-            return
-        logits, fa, modes, pooled = route_layer(
-            layer, key_cache, rb, self.router, self.rope, self.cfg, self.num_kv_heads, self.kernel_router
-        )
-        row_modes = modes
-        if rb.any_decode_phase:
-            row_modes = torch.where(rb.decode_phase[:, None], decode_modes(modes, self.cfg.decode_mode), modes)
-        self.row_modes[layer].index_copy_(0, rb.rows, row_modes.to(self.row_modes.dtype))
-        if rb.final_idx.numel():
-            f = rb.final_idx
-            self.table_modes[rb.final_slots, layer] = modes.index_select(0, f)
-            self.table_fa[rb.final_slots, layer] = fa.index_select(0, f)
-            self.table_logits[rb.final_slots, layer] = logits.index_select(0, f)
-            if self.table_pooled is not None and pooled is not None:
-                self.table_pooled[rb.final_slots, layer] = pooled.index_select(0, f)
+        else:
+            logits, routing, pooled = route_layer(
+                layer, key_cache, rb, self.router, self.rope, self.cfg, self.num_kv_heads, self.kernel_router,
+                self.floor if self.has_floor else None,
+            )  # fmt: skip
+            self.tables.write(layer, rb.rows, rb.final_idx, rb.final_slots, routing, logits, pooled)
         self.timer.stop(t0)
 
     def on_xa_mask(self, layer: int, row: int, head: int, q_start: int, q_end: int, mask: torch.Tensor) -> None:

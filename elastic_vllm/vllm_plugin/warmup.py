@@ -6,7 +6,7 @@ the decode merge kernel of every new split count, inside the request (vLLM's JIT
 ``_prefill_kernel``; the first 1K-prompt burst at concurrency 64 had a p99 TTFT of 11.7 s against 1.6 s for
 FLASH_ATTN). Here every kernel variant the engine can launch is compiled once, on synthetic data laid out
 exactly as vLLM's paged cache (same strides, dtypes and constexprs), before the server answers /health;
-the kernels specialise on nothing that varies between steps (see ``csrc``), so no request compiles.
+the kernels specialise on nothing that varies between steps (see ``elastic_vllm.ops``), so no request compiles.
 
 The same synthetic batch (two prompt rows and a decode row, all heads FA) then runs through vLLM's
 FlashAttention and through the elastic kernels: only if both agree (relative error under
@@ -27,8 +27,13 @@ from dataclasses import replace
 
 import torch
 
+from elastic_vllm import ops as kernels
 from elastic_vllm.config import HeadMode
+from elastic_vllm.ops._common import num_sms
 from elastic_vllm.vllm_plugin import compat
+
+if kernels.AVAILABLE:  # the warm-up runs on the Triton path only
+    from elastic_vllm.ops.decode import kernel as decode_kernel
 
 logger = logging.getLogger("elastic_vllm.vllm_plugin")
 
@@ -68,19 +73,20 @@ def _batch(seq_lens: list[int], q_lens: list[int], block_size: int, num_blocks: 
 
 
 def router_warmup_rows(route_row) -> list[list]:
-    """The routing rows the warm-up routes, one list per compiled variant of the fused router: rows sharing one
-    bias (the kernel takes the step's threshold) and rows of different biases (a threshold per row: clients'
-    own ``elastic_bias`` or the load policy's levels), so neither compiles while serving."""
+    """The routing rows the warm-up routes, one list per compiled variant of the router kernels: rows of different
+    biases through the fused kernel (its epilogue takes a threshold per row, so a client's ``elastic_bias`` or a
+    load-policy level compiles nothing while serving), and a row with a fixed SA budget (``elastic_target_omega``:
+    the kernel's logits, then the torch glue)."""
     a, b = PROMPT_LENS
     return [
-        [route_row(1, a, "auto", False, None), route_row(2, b, "auto", False, None)],
         [route_row(1, a, "auto", False, None, bias=0.0), route_row(2, b, "auto", False, None, bias=1.0)],
+        [route_row(1, a, "auto", False, None, target=0.5), route_row(2, b, "auto", False, None)],
     ]
 
 
 def maybe_warm_up(st, kv_cache_spec, vllm_config) -> dict | None:
     """Once per engine, on the Triton path on a GPU (the interpreter compiles nothing)."""
-    from elastic_vllm.csrc._common import interpret
+    from elastic_vllm.ops._common import interpret
 
     if st.warmed or st.ops != "triton" or st.device.type != "cuda" or interpret():
         return None
@@ -92,8 +98,6 @@ def maybe_warm_up(st, kv_cache_spec, vllm_config) -> dict | None:
 def warm_up(st, dtype: torch.dtype, num_q_heads: int, head_size: int) -> dict:
     """Compile every kernel variant ``st`` (an attached ``EngineState`` on the Triton path) can launch, then
     admit vLLM's FlashAttention for all-FA steps if it agrees with the elastic kernels. Returns what ran."""
-    from elastic_vllm.csrc import decode
-    from elastic_vllm.csrc._common import num_sms
     from elastic_vllm.vllm_plugin.ops import triton_attention
     from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch
 
@@ -102,7 +106,7 @@ def warm_up(st, dtype: torch.dtype, num_q_heads: int, head_size: int) -> dict:
     cfg = st.cfg
     p = st.params
     scale = d**-0.5
-    dec_bn = decode.default_decode_config(d)["block_n"]
+    dec_bn = decode_kernel.default_decode_config(d)["block_n"]
     # decode: one split kernel and a merge kernel per power of two of the split count, up to its cap
     max_splits = min(num_sms(dev), 256)
     splits = sorted({min(1 << i, max_splits) for i in range(max(max_splits - 1, 0).bit_length() + 1)})
@@ -117,7 +121,7 @@ def warm_up(st, dtype: torch.dtype, num_q_heads: int, head_size: int) -> dict:
             q = torch.randn(1, num_q_heads, d, dtype=dtype, device=dev)
             modes = torch.full((1, hkv), int(cfg.sa_mode), dtype=torch.int32, device=dev)
             modes[:, 0] = int(cfg.fa_mode)
-            decode.decode_attention(q, key_cache, value_cache, bt, sl, modes, sink=p.sink, window=p.window,
+            decode_kernel.decode_attention(q, key_cache, value_cache, bt, sl, modes, sink=p.sink, window=p.window,
                                     max_seq_len=ns * dec_bn, scale=scale, num_splits=ns)  # fmt: skip
         # a mixed step as the engine runs it: one decode row first, then two prompt rows
         seq = [DECODE_LEN, *PROMPT_LENS]
@@ -133,10 +137,10 @@ def warm_up(st, dtype: torch.dtype, num_q_heads: int, head_size: int) -> dict:
         triton_attention(q, key_cache, value_cache, bt, qsl, sl, mixed, wp, out, 1, 1, max(q_lens), max(seq),
                          cfg.uses_xattn, pq)  # fmt: skip
         if st.router is not None and st.kernel_router is not None:
-            # the fused router (its epilogue writes row_modes of this layer: rewritten by every step's plan), once
-            # per variant: one threshold for the step, and a threshold per row (rows of different biases)
+            # the router kernels (the routing writes row_modes of this layer: rewritten by every step's plan), once
+            # per variant: the fused epilogue, and the logits of the budget glue
             for rows in router_warmup_rows(RouteRow):
-                rb = build_route_batch(rows, bt, bs, cfg.pooling, cfg.pool_tokens)
+                rb = build_route_batch(rows, bt, bs, cfg.pooling, cfg.pool_tokens, budget_sa=st.budget_counts)
                 st.route(0, key_cache, rb)
         report = {"compile_s": 0.0, "dense": None, "dense_reason": "", "fa_split": None}
         if dense_requested():

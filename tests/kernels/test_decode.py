@@ -1,4 +1,4 @@
-"""Split-KV hybrid decode kernel (csrc/decode.py) against the reference, under TRITON_INTERPRET=1."""
+"""Split-KV hybrid decode kernel (elastic_vllm/ops/decode/kernel.py) against the reference, under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import zlib
 
 import pytest
 import torch
-from conftest import nan_like
-from elastic_vllm.csrc.decode import decode_attention, decode_num_splits
 from kutils import assert_close, no_host_sync, random_modes, strided_caches
+from testlib import nan_like
 
 from elastic_vllm.config import HeadMode
+from elastic_vllm.ops.decode.kernel import decode_attention, decode_num_splits
 from elastic_vllm.reference.attention import hybrid_attention_ref
 from elastic_vllm.reference.paged import make_paged_batch
 
@@ -159,7 +159,7 @@ def test_decode_launcher_errors_name_the_argument():
 def test_decode_num_splits_on_an_h200_sized_gpu(monkeypatch):
     """The split counts chosen for 132 SMs at the e2e decode shapes (measured in the kernel benchmark's
     decode_splits section): ~32 programs per SM, at most one split per SM per (request, head)."""
-    from elastic_vllm.csrc import decode
+    from elastic_vllm.ops.decode import kernel as decode
 
     monkeypatch.setattr(decode, "num_sms", lambda device: 132)
     dev = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Fused hybrid prefill kernel (csrc/prefill.py) against the reference, under TRITON_INTERPRET=1."""
+"""Fused hybrid prefill kernel (elastic_vllm/ops/prefill/kernel.py) against the reference, under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import zlib
 
 import pytest
 import torch
-from conftest import nan_like
-from elastic_vllm.csrc import _common
-from elastic_vllm.csrc.prefill import prefill_attention
-from elastic_vllm.csrc.xattn_select import block_masks_to_lists
 from kutils import assert_close, no_host_sync, random_modes, strided_caches
+from testlib import nan_like
 
 from elastic_vllm.config import HeadMode
+from elastic_vllm.ops import _common
+from elastic_vllm.ops.prefill.kernel import prefill_attention
+from elastic_vllm.ops.xattn_select.kernel import block_masks_to_lists
 from elastic_vllm.reference.attention import hybrid_attention_ref
 from elastic_vllm.reference.paged import make_paged_batch
 

@@ -1,4 +1,4 @@
-"""Router kernel (csrc/route.py) against ElasticRouter + pool_keys + invert_rope, under TRITON_INTERPRET=1."""
+"""Router kernel (elastic_vllm/ops/route/kernel.py) against ElasticRouter + pool_keys + invert_rope, under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from elastic_vllm.csrc.route import (
+from kutils import no_host_sync, strided_caches
+
+from elastic_vllm.ops.route.kernel import (
     _sincos,
     pack_router_norm,
     pack_router_weights,
@@ -14,11 +16,9 @@ from elastic_vllm.csrc.route import (
     route,
     router_param_count,
 )
-from kutils import no_host_sync, strided_caches
-
+from elastic_vllm.ops.route.naive import route_logits_ref
 from elastic_vllm.reference.paged import make_paged_batch
 from elastic_vllm.reference.rope import RopeSpec
-from elastic_vllm.reference.route import route_logits_ref
 from elastic_vllm.router.model import ElasticRouter, num_parameters_per_layer
 
 LOGIT_ATOL = 2e-5  # fp32 throughout; only summation order differs
@@ -97,7 +97,7 @@ def test_route_with_input_norm_matches_reference(pool):
 
 def test_route_long_boundary_pool_uses_the_pooling_launch():
     """2 * pool_tokens > FUSED_POOL_MAX: a token-parallel pooling launch feeds the Task-MLP launch."""
-    from elastic_vllm.csrc.route import FUSED_POOL_MAX
+    from elastic_vllm.ops.route.kernel import FUSED_POOL_MAX
 
     pool = FUSED_POOL_MAX // 2 + 20
     batch, spec, router, rows, plens = make_case([2 * pool + 77, 300, 5], layers=2, pool=pool, seed=9)
@@ -197,7 +197,7 @@ def test_route_launcher_errors_name_the_argument():
 
 def test_prepared_router_repeated_calls_rearm_counters():
     """The hot-path launcher: one validation, then many layers; the last-program counters re-arm."""
-    from elastic_vllm.csrc.route import Router
+    from elastic_vllm.ops.route.kernel import Router
 
     batch, spec, router, rows, plens = make_case([120, 230], layers=3, seed=8)
     w = pack_router_weights(router)
@@ -213,78 +213,110 @@ def test_prepared_router_repeated_calls_rearm_counters():
     assert int(r.workspace(2)[3].abs().sum()) == 0  # counters back at zero
 
 
-@pytest.mark.parametrize("decode_mode, fa_v, sa_v", [("sparse", 0, 1), ("dense", 2, 1), ("sparse", 0, 2)],
-                         ids=["FA-SSA-sparse", "XA-SSA-dense", "FA-XA-sparse"])  # fmt: skip
-def test_route_epilogue_writes_the_engine_tables(decode_mode, fa_v, sa_v):
-    """The fused glue: forced rows, decode-phase modes, row modes of this step and the per-request tables,
-    against the plugin's own torch functions applied to the reference logits; entries the epilogue must
-    not touch keep their sentinels (-7 / NaN)."""
-    from elastic_vllm.csrc.route import RouteEpilogue
+def _epilogue(force, dphase, fslot, brow, thr, floor, L, batch_rows, slots, decode_dense):
+    """A RouteEpilogue over poisoned tables: modes -7, fa False, logits NaN (entries that must stay untouched)."""
+    from elastic_vllm.ops.route.kernel import RouteEpilogue
+    from elastic_vllm.router.policy import RoutingTables
 
-    from elastic_vllm.vllm_plugin.routing import decode_modes
+    hkv = floor.shape[1]
+    tables = RoutingTables(
+        torch.full((L, batch_rows, hkv), -7, dtype=torch.int32), torch.full((slots, L, hkv), -7, dtype=torch.int8),
+        torch.zeros(slots, L, hkv, dtype=torch.bool), torch.full((slots, L, hkv, 2), float("nan")),
+    )  # fmt: skip
+    info = torch.stack([brow, force.int(), dphase.int(), fslot]).int().contiguous()
+    return RouteEpilogue(row_info=info, thresholds=thr, floor=floor, tables=tables, decode_dense=decode_dense)
 
-    lens = [300, 150, 220, 90]
+
+# the grid: every force, phase and final-slot case of a row, per-row biases, with and without a floor, each
+# decode_mode and head-mode pair; the reference is router/policy.py's route_heads on the reference logits
+@pytest.mark.parametrize("use_floor", [False, True], ids=["no-floor", "floor"])
+@pytest.mark.parametrize("decode_mode, mode", [("sparse", "FA-SSA"), ("dense", "XA-SSA"), ("sparse", "FA-XA")])
+def test_route_epilogue_matches_the_policy(decode_mode, mode, use_floor):
+    """The fused epilogue (threshold per row, floor, force, decode-phase modes, this step's row modes and the
+    per-request tables) equals ``policy.route_heads`` + ``RoutingTables.write`` applied to the reference logits;
+    entries the epilogue must not touch keep their sentinels (-7 / NaN)."""
+    from elastic_vllm.config import ElasticConfig
+    from elastic_vllm.router.policy import RoutingTables, route_heads, thresholds
+
+    lens = [300, 150, 220, 90, 260, 120]
     batch, spec, router, rows, plens = make_case(lens)
     R, hkv, L, layer = len(lens), batch.key_cache.shape[2], 3, 1
-    force = torch.tensor([0, 1, 2, 0], dtype=torch.int8)  # auto, all-FA, all-SA, auto
-    dphase = torch.tensor([False, False, True, True])
-    fslot = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
-    brow = torch.tensor([2, 0, 5, 4], dtype=torch.int32)  # batch rows of the routed rows
-    e = RouteEpilogue(
-        rows=brow, force=force, decode_phase=dphase, final_slot=fslot,
-        row_modes=torch.full((L, 7, hkv), -7, dtype=torch.int32), table_modes=torch.full((6, L, hkv), -7, dtype=torch.int8),
-        table_fa=torch.zeros(6, L, hkv, dtype=torch.bool), table_logits=torch.full((6, L, hkv, 2), float("nan")),
-        decode_dense=decode_mode == "dense",
-    )  # fmt: skip
-    fa_before = e.table_fa.clone()
-    table = torch.zeros(R, L, hkv, dtype=torch.int8)
-    route(
-        batch.key_cache, batch.block_table, rows, plens, rows, pack_router_weights(router), layer, table,
-        inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling, fa_value=fa_v, sa_value=sa_v, epilogue=e,
-    )  # fmt: skip
     z = route_logits_ref(batch.key_cache, batch.block_table, rows, plens, router, layer, spec)
-    sure = ((z[..., 1] - z[..., 0]).abs() > 10 * LOGIT_ATOL).all(1)
-    fa = z[..., 1] > z[..., 0]
-    fa = torch.where(force[:, None] == 1, True, torch.where(force[:, None] == 2, False, fa))
-    modes = torch.where(fa, fa_v, sa_v).to(torch.int8)
-    row_modes = torch.where(dphase[:, None], decode_modes(modes, decode_mode), modes).to(torch.int32)
+    m = float((z[..., 1] - z[..., 0]).abs().median())  # the logits' own scale: margins and biases move some heads
+    cfg = ElasticConfig(mode=mode, decode_mode=decode_mode, sa_margin=0.25 * m)
+    force = torch.tensor([0, 1, 2, 0, 0, 2], dtype=torch.int8)  # auto, all-FA, all-SA, auto, auto, all-SA
+    dphase = torch.tensor([False, False, True, True, False, False])
+    fslot = torch.tensor([3, -1, 0, 5, 1, -1], dtype=torch.int32)
+    brow = torch.tensor([2, 0, 5, 4, 6, 1], dtype=torch.int32)  # batch rows of the routed rows
+    bias = torch.tensor([0.0, 0.0, m, -0.5 * m, 0.5 * m, 0.0], dtype=torch.float64)
+    floor = torch.zeros(L, hkv, dtype=torch.int8)
+    if use_floor:
+        floor[layer, 1] = floor[layer, 3] = floor[0, 0] = 1  # layer 0's entry must not leak into layer 1
+    want = route_heads(z, cfg, force=force, bias=bias, floor=floor[layer].bool(), decode_phase=dphase)
+    e = _epilogue(force, dphase, fslot, brow, thresholds(bias, cfg.sa_margin), floor, L, 7, 6, decode_mode == "dense")
+    ref = RoutingTables(*(t.clone() for t in e.tables[:4]))
+    ref.write(layer, brow.long(), (fslot >= 0).nonzero().squeeze(1), fslot[fslot >= 0].long(), want, z)
+    route(
+        batch.key_cache, batch.block_table, rows, plens, rows, pack_router_weights(router), layer,
+        torch.zeros(R, L, hkv, dtype=torch.int8), inv_freq=spec.inv_freq, attention_scaling=spec.attention_scaling,
+        fa_value=int(cfg.fa_mode), sa_value=int(cfg.sa_mode), epilogue=e,
+    )  # fmt: skip
+    near = ((z[..., 1] - z[..., 0]) - thresholds(bias, cfg.sa_margin)[:, None]).abs() <= 10 * LOGIT_ATOL
+    near &= (force == 0)[:, None] & ~floor[layer].bool()  # a near-tie decides either way unless overridden
+    assert not near.all(1).any(), "every row should have decided heads"
+    got, exp = e.tables, ref
     for r in range(R):
-        if not sure[r] and force[r] == 0:
-            continue  # a near-tie: either decision is right
-        assert torch.equal(e.row_modes[layer, brow[r]], row_modes[r]), r
+        sure = ~near[r]
+        assert torch.equal(got.step_modes[layer, brow[r]][sure], exp.step_modes[layer, brow[r]][sure]), r
         if fslot[r] >= 0:
             s = int(fslot[r])
-            assert torch.equal(e.table_modes[s, layer], modes[r]) and torch.equal(e.table_fa[s, layer], fa[r])
-            torch.testing.assert_close(e.table_logits[s, layer], z[r], atol=LOGIT_ATOL, rtol=1e-5)
+            assert torch.equal(got.modes[s, layer][sure], exp.modes[s, layer][sure]), r
+            assert torch.equal(got.fa[s, layer][sure], exp.fa[s, layer][sure]), r
+            torch.testing.assert_close(got.logits[s, layer], z[r], atol=LOGIT_ATOL, rtol=1e-5)
+    # outside the routed rows and final slots, nothing moved
     touched = torch.zeros(L, 7, dtype=torch.bool)
     touched[layer, brow.long()] = True
-    assert (e.row_modes[~touched] == -7).all()
+    assert (got.step_modes[~touched] == -7).all()
     final = torch.zeros(6, L, dtype=torch.bool)
     final[fslot[fslot >= 0].long(), layer] = True
-    assert (e.table_modes[~final] == -7).all() and e.table_logits[~final].isnan().all()
-    assert torch.equal(e.table_fa[~final], fa_before[~final])
-    assert not e.table_logits[final].isnan().any()
+    assert (got.modes[~final] == -7).all() and got.logits[~final].isnan().all() and not got.fa[~final].any()
+    assert not got.logits[final].isnan().any()
+    # the grid exercises what it claims: forced rows override, decisions mix, the floor turns SA heads FA
+    fa = want.fa
+    assert fa[1].all() and not fa[2].any() and fa[[0, 3, 4]].any() and not fa[[0, 3, 4]].all()
+    if use_floor:
+        plain = route_heads(z, cfg, force=force, bias=bias).fa
+        assert (fa & ~plain)[:, [1, 3]].any() and torch.equal(fa[:, [0, 2]], plain[:, [0, 2]])
 
 
 def test_route_epilogue_errors_name_the_table():
-    from elastic_vllm.csrc.route import RouteEpilogue
+    from elastic_vllm.ops.route.kernel import RouteEpilogue
+    from elastic_vllm.router.policy import RoutingTables
 
     batch, spec, router, rows, plens = make_case([120, 80])
     R, hkv, L = 2, batch.key_cache.shape[2], 3
+    tables = RoutingTables(
+        torch.zeros(L, 4, hkv, dtype=torch.int32), torch.zeros(3, L, hkv, dtype=torch.int8),
+        torch.zeros(3, L, hkv, dtype=torch.bool), torch.zeros(3, L, hkv, 2),
+    )  # fmt: skip
     good = dict(
-        rows=rows, force=torch.zeros(R, dtype=torch.int8), decode_phase=torch.zeros(R, dtype=torch.bool),
-        final_slot=torch.zeros(R, dtype=torch.int32), row_modes=torch.zeros(L, 4, hkv, dtype=torch.int32),
-        table_modes=torch.zeros(3, L, hkv, dtype=torch.int8), table_fa=torch.zeros(3, L, hkv, dtype=torch.bool),
-        table_logits=torch.zeros(3, L, hkv, 2), decode_dense=True,
+        row_info=torch.zeros(4, R, dtype=torch.int32), thresholds=torch.zeros(R), floor=torch.zeros(L, hkv,
+        dtype=torch.int8), tables=tables, decode_dense=True,
     )  # fmt: skip
     args = (batch.key_cache, batch.block_table, rows, plens, rows, pack_router_weights(router), 0,
             torch.zeros(R, L, hkv, dtype=torch.int8))  # fmt: skip
     for field, bad, msg in (
-        ("final_slot", torch.zeros(R, dtype=torch.int64), "final_slot: dtype int64 not supported"),
-        ("row_modes", torch.zeros(L + 1, 4, hkv, dtype=torch.int32), "row_modes: dimension 0 is 4, expected 3"),
-        ("table_logits", torch.zeros(3, L, hkv, 3), "table_logits: dimension 3 is 3, expected 2"),
-        ("table_fa", torch.zeros(2, L, hkv, dtype=torch.bool), "table_fa: dimension 0 is 2, expected 3"),
-    ):
+        ("row_info", torch.zeros(4, R, dtype=torch.int64), "row_info: dtype int64 not supported"),
+        ("row_info", torch.zeros(R, 4, dtype=torch.int32).t(), "row_info: must be contiguous"),
+        ("thresholds", torch.zeros(R, dtype=torch.float64), "thresholds: dtype float64 not supported"),
+        ("floor", torch.zeros(L, hkv + 1, dtype=torch.int8), "floor: dimension 1 is 5, expected 4"),
+        ("tables", tables._replace(step_modes=torch.zeros(L + 1, 4, hkv, dtype=torch.int32)),
+         "step_modes: dimension 0 is 4, expected 3"),
+        ("tables", tables._replace(logits=torch.zeros(3, L, hkv, 3)), "logits: dimension 3 is 3, expected 2"),
+        ("tables", tables._replace(fa=torch.zeros(2, L, hkv, dtype=torch.bool)), "fa: dimension 0 is 2, expected 3"),
+        ("tables", tables._replace(modes=torch.zeros(L, 3, hkv, dtype=torch.int8).transpose(0, 1)),
+         "modes: must be contiguous"),
+    ):  # fmt: skip
         with pytest.raises(ValueError, match=msg):
             route(*args, inv_freq=spec.inv_freq, epilogue=RouteEpilogue(**{**good, field: bad}))
 
@@ -311,9 +343,8 @@ def test_route_nonfinite_logits_go_to_fa(bad):
 def test_route_sa_margin_matches_decide():
     """The decision epilogue with ``sa_margin``: table and engine tables equal ``router.model.decide(z, m)``
     (FA iff z1 - z0 > -m, float32) on the reference logits, and a positive margin turns some SA heads FA."""
-    from elastic_vllm.csrc.route import RouteEpilogue
-
     from elastic_vllm.router.model import decide
+    from elastic_vllm.router.policy import thresholds
 
     lens = [300, 150, 220, 90]
     batch, spec, router, rows, plens = make_case(lens)
@@ -322,12 +353,9 @@ def test_route_sa_margin_matches_decide():
     d = z[..., 1] - z[..., 0]
     m = float((-d[d < 0]).median())  # half of the SA heads flip
     for margin in (0.0, m, -m):
-        e = RouteEpilogue(
-            rows=rows, force=torch.zeros(R, dtype=torch.int8), decode_phase=torch.zeros(R, dtype=torch.bool),
-            final_slot=rows.clone(), row_modes=torch.full((L, R, hkv), -7, dtype=torch.int32),
-            table_modes=torch.full((R, L, hkv), -7, dtype=torch.int8), table_fa=torch.zeros(R, L, hkv, dtype=torch.bool),
-            table_logits=torch.zeros(R, L, hkv, 2), decode_dense=False,
-        )  # fmt: skip
+        e = _epilogue(torch.zeros(R, dtype=torch.int8), torch.zeros(R, dtype=torch.bool), rows.clone(), rows,
+                      thresholds(0.0, margin).expand(R).contiguous(), torch.zeros(L, hkv, dtype=torch.int8), L, R,
+                      R, False)  # fmt: skip
         table = torch.full((R, L, hkv), 9, dtype=torch.int8)
         route(
             batch.key_cache, batch.block_table, rows, plens, rows, pack_router_weights(router), layer, table,
@@ -336,8 +364,8 @@ def test_route_sa_margin_matches_decide():
         want = decide(z, margin)
         sure = (d + margin).abs() > 10 * LOGIT_ATOL
         assert torch.equal((table[:, layer] == 0)[sure], want[sure])
-        assert torch.equal(e.table_fa[:, layer][sure], want[sure])
-        assert torch.equal((e.row_modes[layer] == 0)[sure], want[sure])
+        assert torch.equal(e.tables.fa[:, layer][sure], want[sure])
+        assert torch.equal((e.tables.step_modes[layer] == 0)[sure], want[sure])
     assert decide(z, m).sum() > decide(z, 0.0).sum() > decide(z, -m).sum()
 
 

@@ -14,10 +14,11 @@ must not be specialised, or the first long request compiles while serving.
 from __future__ import annotations
 
 import pytest
-from elastic_vllm.csrc.decode import _decode_kernel
-from elastic_vllm.csrc.prefill import _prefill_kernel
-from elastic_vllm.csrc.xattn_select import _xattn_select_kernel
 from test_xattn_select import no_specialize
+
+from elastic_vllm.ops.decode.kernel import _decode_kernel
+from elastic_vllm.ops.prefill.kernel import _prefill_kernel
+from elastic_vllm.ops.xattn_select.kernel import _xattn_select_kernel
 
 DATA_STRIDES = {
     "_decode_kernel": (

@@ -1,4 +1,4 @@
-"""XAttention block selection kernel (csrc/xattn_select.py) against xattn_block_mask_ref, TRITON_INTERPRET=1.
+"""XAttention block selection kernel (elastic_vllm/ops/xattn_select/kernel.py) against xattn_block_mask_ref, TRITON_INTERPRET=1.
 
 Tolerance: the selection equals the reference's except where a cumulative mass sits within
 float32 rounding of the threshold; these seeded random inputs have no such near-ties, so the
@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import nan_like
-from elastic_vllm.csrc.prefill import prefill_attention
-from elastic_vllm.csrc.xattn_select import (
+from kutils import assert_close, no_host_sync
+from testlib import nan_like
+
+from elastic_vllm.config import HeadMode
+from elastic_vllm.ops.prefill.kernel import prefill_attention
+from elastic_vllm.ops.xattn_select.kernel import (
     block_masks_to_lists,
     lists_to_block_masks,
     xattn_max_blocks,
     xattn_select,
 )
-from kutils import assert_close, no_host_sync
-
-from elastic_vllm.config import HeadMode
+from elastic_vllm.ops.xattn_select.naive import xattn_block_mask_ref
 from elastic_vllm.reference.attention import hybrid_attention_ref
 from elastic_vllm.reference.paged import make_paged_batch
-from elastic_vllm.reference.xattn import xattn_block_mask_ref
 
 FA, SSA, XA = int(HeadMode.FA), int(HeadMode.SSA), int(HeadMode.XA)
 
@@ -165,8 +165,8 @@ def test_one_compiled_variant_serves_every_length(monkeypatch):
     compiles it once. (A sort sized by the next power of two of the key blocks: a
     recompile in the engine at each new power of two: the demo model's first FA-XA requests at 2K / 4K / 7.8K took
     4.59 / 1.37 / 1.51 s in e2e-vllm-h200-demo.json, 0.06 s after this change in e2e-vllm-h200-demo-fused-glue.json.)"""
-    import elastic_vllm.csrc.xattn_select as xs
-    from elastic_vllm.csrc.prefill import _prefill_kernel
+    import elastic_vllm.ops.xattn_select.kernel as xs
+    from elastic_vllm.ops.prefill.kernel import _prefill_kernel
 
     real, seen = xs._xattn_select_kernel, []
 

@@ -102,7 +102,7 @@ class SharedServer:
         self.serve = ServeProcess(
             fetch_demo_model(quiet=True),
             elastic={**ELASTIC, "router_path": str(router)},
-            args=SERVE_ARGS,
+            args=[*SERVE_ARGS, "--enable-scale-out"],  # + vLLM's token endpoint, /inference/v1/generate
             served_name=MODEL_NAME,
             env=subprocess_env(),
             log_path=self.tmp / "serve.log",

@@ -53,35 +53,84 @@ def test_nonfinite_logits_route_to_fa():
     assert decide(torch.tensor([[0.5, 0.5]])).tolist() == [False]  # ties stay SA (torch.argmax)
 
 
-def test_router_with_nan_output_runs_fa_and_is_counted(caplog):
+def _nan_router_routing(rows, budget_sa=None):
+    """Route ``rows`` through 2 layers of a router whose layer 1 outputs NaN: (logits [R, L, H, 2], fa [R, L, H])."""
     from elastic_vllm.reference.rope import RopeSpec
     from elastic_vllm.router.model import ElasticRouter
-    from elastic_vllm.vllm_plugin import observe
-    from elastic_vllm.vllm_plugin.parallel import Topology
-    from elastic_vllm.vllm_plugin.recording import Recorder
-    from elastic_vllm.vllm_plugin.routing import RouteRow, build_route_batch, route_layer
-    from elastic_vllm.vllm_plugin.state import RequestState
+    from elastic_vllm.vllm_plugin.routing import build_route_batch, route_layer
 
+    torch.manual_seed(0)
     router = ElasticRouter(2, 8)
     with torch.no_grad():
         router.layers[1].cls_router_head_agnostic[4].bias.fill_(math.nan)  # layer 1 outputs NaN
     key_cache = torch.randn(4, 16, 2, 8)  # [blocks, block_size, KV heads, D]
-    rb = build_route_batch([RouteRow(0, 40, "auto", False, 0)], torch.tensor([[0, 1, 2]]), 16, "boundary", 4)
+    table = torch.tensor([[0, 1, 2]] * len(rows))
+    rb = build_route_batch(rows, table, 16, "boundary", 4, budget_sa)
     rope = RopeSpec(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), 1.0, 8, 8)
-    cfg = ElasticConfig()
-    per_layer = [route_layer(layer, key_cache, rb, router, rope, cfg, 2) for layer in range(2)]
-    assert per_layer[1][1].all(), "NaN logits must give FA"
-    logits = torch.stack([out[0][0] for out in per_layer])[None]  # [1 request, L, H, 2]
+    per_layer = [route_layer(layer, key_cache, rb, router, rope, ElasticConfig(), 2) for layer in range(2)]
+    return torch.stack([out[0] for out in per_layer], 1), torch.stack([out[1].fa for out in per_layer], 1)
 
-    recorder = Recorder(cfg, "m", Topology(layers=(0, 2)), (0, 1), True, "r")
+
+def test_router_with_nan_output_runs_fa_and_is_counted(caplog):
+    from elastic_vllm.vllm_plugin import observe
+    from elastic_vllm.vllm_plugin.parallel import Topology
+    from elastic_vllm.vllm_plugin.recording import Recorder
+    from elastic_vllm.vllm_plugin.requests import RequestState
+    from elastic_vllm.vllm_plugin.routing import RouteRow
+
+    logits, fa = _nan_router_routing([RouteRow(0, 40, "auto", False, 0)])
+    assert fa[0, 1].all(), "NaN logits must give FA"
+    recorder = Recorder(ElasticConfig(), "m", Topology(layers=(0, 2)), (0, 1), True, "r")
     pending = [RequestState("req-1", 40, "auto", "auto")]
     before = observe.COUNTERS.nonfinite_router_heads
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        recorder._count_nonfinite(pending, logits)
-        recorder._count_nonfinite(pending, logits)
+        recorder._count_nonfinite(pending, logits, fa)
+        recorder._count_nonfinite(pending, logits, fa)
     assert observe.COUNTERS.nonfinite_router_heads - before == 2 * 2  # 2 heads of layer 1, twice
     warnings = [r for r in caplog.records if "NaN / inf logits" in r.getMessage()]
     assert len(warnings) == 1 and "req-1" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "row,state,counted",
+    [
+        # a budget that needs every head of layer 1 in SA: the NaN heads ran SA, nothing to count
+        ({"target": 1.0}, {"knobs_target": 1.0}, 0),
+        # a budget of one SA head per layer: of layer 1's two NaN heads one ran SA, one FA
+        ({"target": 0.5}, {"knobs_target": 0.5}, 1),
+        # a forced request: its heads never followed the router
+        ({"force": "all-SA"}, {"override": "all-SA"}, 0),
+        ({"force": "all-FA"}, {"override": "all-FA"}, 0),
+    ],
+)
+def test_nonfinite_counter_counts_only_heads_that_ran_fa_for_it(row, state, counted):
+    """elastic:router_nonfinite_heads_total counts the heads that ran FA because of NaN / inf router logits, not
+    the ones a budget sent to SA anyway, nor those of a forced request (whose logits the router still computes when
+    it runs for other rows of the step)."""
+    from elastic_vllm.router.model import budget_sa_counts
+    from elastic_vllm.vllm_plugin import observe
+    from elastic_vllm.vllm_plugin.overrides import Knobs
+    from elastic_vllm.vllm_plugin.parallel import Topology
+    from elastic_vllm.vllm_plugin.recording import Recorder
+    from elastic_vllm.vllm_plugin.requests import RequestState
+    from elastic_vllm.vllm_plugin.routing import RouteRow
+
+    rows = [
+        RouteRow(0, 40, "auto", False, 0),
+        RouteRow(1, 40, row.get("force", "auto"), False, 1, target=row.get("target")),
+    ]
+    logits, fa = _nan_router_routing(rows, lambda t: budget_sa_counts(t, 2, group_heads=2))
+    assert not torch.isfinite(logits[1, 1]).any()  # the row's layer-1 heads: NaN logits
+    assert (
+        int(fa[1, 1].sum())
+        == {"auto": 2 - round(2 * row.get("target", 0)), "all-SA": 0, "all-FA": 2}[row.get("force", "auto")]
+    )
+    force = state.get("override", "auto")
+    st = RequestState("req-2", 40, force, force, knobs=Knobs(target=state.get("knobs_target")))
+    recorder = Recorder(ElasticConfig(), "m", Topology(layers=(0, 2)), (0, 1), True, "r")
+    before = observe.COUNTERS.nonfinite_router_heads
+    recorder._count_nonfinite([st], logits[1:], fa[1:])
+    assert observe.COUNTERS.nonfinite_router_heads - before == counted
 
 
 def test_missing_metrics_dir_env_warns_once(caplog):

@@ -24,7 +24,7 @@ from elastic_vllm.vllm_plugin.overrides import (
     request_override,
     validate_sampling_params,
 )
-from elastic_vllm.vllm_plugin.state import parse_additional_config
+from elastic_vllm.vllm_plugin.precheck import parse_additional_config
 
 json_values = st.recursive(
     st.none()
@@ -37,7 +37,22 @@ json_values = st.recursive(
     max_leaves=6,
 )
 KEYS = (OVERRIDE_KEY, BIAS_KEY, TARGET_KEY, LOAD_BIAS_KEY, *RETIRED_CLIENT_OVERRIDES, "elastic_forc")
-xargs = st.dictionaries(st.sampled_from([*KEYS, "x"]), json_values, max_size=4)
+
+
+@st.composite
+def disguised(draw, key: str) -> str:
+    """``key`` as a client may misspell it: letters' case flipped, "_" dropped or made "-", whitespace around."""
+    out = []
+    for ch in key:
+        if ch == "_":
+            out.append(draw(st.sampled_from(["_", "", "-", "__"])))
+        else:
+            out.append(ch.upper() if draw(st.booleans()) else ch)
+    return draw(st.sampled_from(["", " ", "\t"])) + "".join(out) + draw(st.sampled_from(["", " ", "\n"]))
+
+
+key_names = st.sampled_from([*KEYS, "x"]) | st.sampled_from(KEYS).flatmap(disguised) | st.text(max_size=10)
+xargs = st.dictionaries(key_names, json_values, max_size=4)
 
 
 @settings(max_examples=500, deadline=None)
@@ -48,7 +63,12 @@ def test_request_override_accepts_or_names_the_field(extra):
         validate_sampling_params(SimpleNamespace(extra_args=extra))
     except ValueError as e:
         msg = str(e)
-        assert msg.startswith(tuple(f"vllm_xargs.{k}: " for k in KEYS)), msg
+        named = (
+            {f"vllm_xargs.{k}: " for k in KEYS}
+            | {f"vllm_xargs.{k!r}: " for k in extra}
+            | {f"vllm_xargs.{k}: not an elastic-vllm key" for k in extra}
+        )
+        assert msg.startswith(tuple(named)), msg
         assert "\n" not in msg
         return
     force = request_override(extra)
@@ -64,7 +84,9 @@ def test_request_override_accepts_or_names_the_field(extra):
         assert force == "auto"
     assert LOAD_BIAS_KEY not in (extra or {})
     assert not set(RETIRED_CLIENT_OVERRIDES) & set(extra or {})  # a retired key is never accepted
-    assert "elastic_forc" not in (extra or {})  # nor a misspelt one
+    # nor a misspelt one: every key that reads elastic... once case, whitespace, "_" and "-" are set aside is known
+    unknown = [k for k in extra or {} if k.strip().casefold().replace("_", "").replace("-", "").startswith("elastic")]
+    assert set(unknown) <= {OVERRIDE_KEY, BIAS_KEY, TARGET_KEY}, unknown
 
 
 @settings(max_examples=300, deadline=None)

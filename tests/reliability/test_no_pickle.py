@@ -1,4 +1,4 @@
-"""No pickle: nothing in the package (elastic_vllm/, and the kernels in csrc/) deserializes with pickle.
+"""No pickle: nothing in the package (elastic_vllm/, its kernels included) deserializes with pickle.
 Router weights are read through safetensors only (router/checkpoint.py); ``torch.load`` is allowed only
 with ``weights_only=True`` (a literal), ``numpy.load`` never with ``allow_pickle=True``."""
 
@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = sorted([*(REPO / "elastic_vllm").rglob("*.py"), *(REPO / "csrc").rglob("*.py")])
+SOURCES = sorted((REPO / "elastic_vllm").rglob("*.py"))
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal", "pickletools"}
 UNSAFE_CALLS = {"read_pickle", "loads_pickle", "jit.load", "package.PackageImporter"}
 

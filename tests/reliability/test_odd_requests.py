@@ -93,6 +93,19 @@ CASES = {
     ),
     "unknown_elastic_key": ("completions", completion("Hi", **xargs(elastic_forc="all-FA")), BAD, "elastic_forc: not an elastic-vllm key (known: elastic_force"),
     "xargs_not_an_object": ("completions", completion("Hi", vllm_xargs="all-FA"), BAD, "vllm_xargs"),
+    # the knob in another case, with spaces around or without its underscore: refused (it used to run auto)
+    **{
+        f"knob_variant_{i}": (endpoint, body(**{"vllm_xargs": {key: "all-SA"}}), BAD,
+                              f"vllm_xargs.{shown}: not an elastic-vllm key (did you mean elastic_force? known: "
+                              "elastic_force, elastic_bias, elastic_target_omega)")
+        for i, (endpoint, body, key, shown) in enumerate([
+            ("completions", lambda **kw: completion("Hi", **kw), "ELASTIC_FORCE", "ELASTIC_FORCE"),
+            ("chat", lambda **kw: chat([{"role": "user", "content": "Hi"}], **kw), "Elastic_force", "Elastic_force"),
+            ("completions", lambda **kw: completion("Hi", **kw), " elastic_force", "' elastic_force'"),
+            ("chat", lambda **kw: chat([{"role": "user", "content": "Hi"}], **kw), "elasticforce", "elasticforce"),
+            ("completions", lambda **kw: completion("Hi", stream=True, **kw), "elastic-force", "elastic-force"),
+        ])
+    },
     # elasticity knobs: each bad value a 400 naming the field (NaN / Infinity: as Python's json writes them,
     # which FastAPI reads back; a null is refused by vLLM's own request model, naming the field too)
     "bias_ok": ("completions", completion(SHORT, **xargs(elastic_bias=-2.5)), OK, 1),
@@ -169,6 +182,29 @@ def test_odd_request(server, client, case):
         assert routed == 0, f"{case}: a refused request recorded a routing"
     # per-request state is released (a finished request is freed at the engine's next step)
     assert wait_until(lambda: _live(server) == 0, 30), f"{case}: elastic:live_requests stays {_live(server)}"
+
+
+@pytest.mark.parametrize(
+    "extra,status,expect",
+    [
+        ({"elastic_force": "fast"}, BAD, "sampling_params.extra_args.elastic_force: must be one of 'auto'"),
+        ({"ELASTIC_FORCE": "all-SA"}, BAD, "sampling_params.extra_args.ELASTIC_FORCE: not an elastic-vllm key"),
+        ({"elastic_bias": 5000}, BAD, "sampling_params.extra_args.elastic_bias: must be in [-1024, 1024]"),
+        ({"elastic_force": "all-SA"}, OK, None),
+    ],
+)
+def test_token_endpoint_errors_name_its_own_field(server, client, extra, status, expect):
+    """vLLM's token endpoint takes the SamplingParams themselves: its errors name sampling_params.extra_args, the
+    field its clients wrote, not the OpenAI endpoints' vllm_xargs."""
+    m0 = server.metrics()
+    body = {"model": MODEL_NAME, "token_ids": SHORT[:20], "sampling_params": {"max_tokens": 2, "extra_args": extra}}
+    r = client.post("/inference/v1/generate", json=body)
+    assert r.status_code == status, r.text[:2000]
+    if status == BAD:
+        assert expect in r.text and "vllm_xargs" not in r.text, r.text[:2000]
+        assert delta(m0, server.metrics(), "elastic:requests_total") == 0
+    else:
+        assert delta(m0, server.metrics(), "elastic:requests_total", override=extra["elastic_force"]) == 1
 
 
 def test_still_serving_after_the_odd_requests(server, client):

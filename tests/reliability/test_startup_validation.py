@@ -2,7 +2,7 @@
 head_dim), a truncated or corrupted checkpoint file (sha256 mismatch), an unknown mode, invalid
 config values. A real `elastic-vllm serve` must exit non-zero with one log line naming the problem;
 every case also runs in an in-process vLLM engine, which must raise the project's error with the
-message. (The loader and the config parser alone: tests/test_checkpoint.py, tests/test_config.py,
+message. (The loader and the config parser alone: tests/router/test_checkpoint.py, tests/test_config.py,
 tests/test_fuzz.py.)"""
 
 from __future__ import annotations

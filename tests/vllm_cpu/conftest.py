@@ -7,7 +7,6 @@ on this CPU and float32 makes the comparison with transformers tight.
 
 from __future__ import annotations
 
-import gc
 import os
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -19,6 +18,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from .helpers import close_llm  # noqa: F401  (the engine tests import it from here)
 from .routers import (
     SMOLLM2_RETRIEVAL_HEADS,
     head_selecting_rules,
@@ -102,15 +102,6 @@ def make_llm(model, **kw):
     args = dict(enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, dtype="float32", max_model_len=4096, seed=0)
     args.update(kw)
     return LLM(str(model), **args)
-
-
-def close_llm(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
 
 
 def elastic_states():

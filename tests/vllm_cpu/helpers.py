@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from elastic_vllm.vllm_plugin import observe
@@ -9,6 +11,16 @@ from elastic_vllm.vllm_plugin import observe
 # Two logits closer than this may fall either way between engines: vLLM's and transformers' keys agree to
 # ~1e-5 (float32, different kernels and summation orders), which moves a router logit by < 1e-4.
 LOGIT_EPS = 1e-3
+
+
+def close_llm(llm) -> None:
+    """Shut a vLLM ``LLM`` down (its engine core and, with TP, its workers) and free what it held."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
 
 
 def event_of(request_id: str) -> observe.RoutingEvent:

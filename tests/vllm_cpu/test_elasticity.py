@@ -137,6 +137,18 @@ BAD = [
     # a misspelt knob is refused naming the known keys (ignored, the request would run the default routing)
     ({"elastic_forc": "all-FA"}, r"vllm_xargs.elastic_forc: not an elastic-vllm key \(known: elastic_force, elastic_bias, elastic_target_omega\)"),
     ({"elastic_target_omega": 0.5, "elastic_target": 0.5}, r"vllm_xargs.elastic_target: not an elastic-vllm key"),
+    # the same knob in another case, with spaces around, without its underscore: refused, never run as auto
+    ({"ELASTIC_FORCE": "all-SA"}, r"^vllm_xargs.ELASTIC_FORCE: not an elastic-vllm key \(did you mean elastic_force\? known: elastic_force, elastic_bias, elastic_target_omega\)$"),
+    ({"Elastic_force": "all-SA"}, r"^vllm_xargs.Elastic_force: not an elastic-vllm key \(did you mean elastic_force\?"),
+    ({" elastic_force": "all-SA"}, r"^vllm_xargs.' elastic_force': not an elastic-vllm key \(did you mean elastic_force\?"),
+    ({"elastic_force ": "all-SA"}, r"^vllm_xargs.'elastic_force ': not an elastic-vllm key \(did you mean elastic_force\?"),
+    ({"elasticforce": "all-SA"}, r"^vllm_xargs.elasticforce: not an elastic-vllm key \(did you mean elastic_force\?"),
+    ({"elastic-force": "all-SA"}, r"^vllm_xargs.elastic-force: not an elastic-vllm key \(did you mean elastic_force\?"),
+    ({"elasticTargetOmega": 0.5}, r"^vllm_xargs.elasticTargetOmega: not an elastic-vllm key \(did you mean elastic_target_omega\?"),
+    ({"\telastic_bias\n": 1.0}, r"^vllm_xargs.'\\telastic_bias\\n': not an elastic-vllm key \(did you mean elastic_bias\?"),
+    ({"Elastic": 1}, r"^vllm_xargs.Elastic: not an elastic-vllm key \(known: elastic_force"),
+    ({"ELASTIC_SA_SHARE": 0.5}, r"^vllm_xargs.ELASTIC_SA_SHARE: not an elastic-vllm key \(known: elastic_force"),
+    ({"elastic_force": "auto", "ELASTIC_FORCE": "all-SA"}, r"^vllm_xargs.ELASTIC_FORCE: not an elastic-vllm key"),
 ]  # fmt: skip
 
 
@@ -150,6 +162,7 @@ def test_good_knobs_and_server_rules():
     assert request_knobs({"elastic_bias": -3}) == Knobs(bias=-3.0)
     assert request_knobs({"elastic_target_omega": 1, "elastic_force": "auto"}) == Knobs(target=1.0)
     assert request_knobs(None) == Knobs() and request_knobs({"x": 1}) == Knobs()
+    assert request_knobs({"my_elastic_force": 1, "temperature_elastic": 2}) == Knobs()  # other keys pass
     closed = ElasticConfig(client_overrides=("all-FA",))
     with pytest.raises(ValueError, match=r"vllm_xargs.elastic_bias: not allowed by this server"):
         validate_sampling_params(SimpleNamespace(extra_args={"elastic_bias": 1.0}), closed)

@@ -20,9 +20,9 @@ ENGINE = dict(max_num_batched_tokens=256, max_num_seqs=8, block_size=32, max_mod
 
 @pytest.fixture(scope="module")
 def llm(demo_model_dir):
-    engine = make_llm(
-        demo_model_dir, attention_backend="elastic", additional_config={"elastic": {"sink": 8, "window": 32}}, **ENGINE
-    )
+    # fa_floor 0: the knobs are checked against the router's own decision (the floor: test_fa_floor_engine.py)
+    cfg = {"sink": 8, "window": 32, "fa_floor": 0}
+    engine = make_llm(demo_model_dir, attention_backend="elastic", additional_config={"elastic": cfg}, **ENGINE)
     yield engine
     close_llm(engine)
 

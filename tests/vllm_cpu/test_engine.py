@@ -199,7 +199,7 @@ def test_abort_frees_request_state(llm, prompts):
     while eng.has_unfinished_requests():
         eng.step()
     assert not any(r.startswith(("abort-a", "abort-b")) for r in state.live_request_ids())
-    assert state.free_slots and len(state.free_slots) >= state.num_slots - 2
+    assert state.requests.free_slots and len(state.requests.free_slots) >= state.num_slots - 2
 
 
 def test_per_request_override(llm, prompts):

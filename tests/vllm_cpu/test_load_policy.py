@@ -77,8 +77,9 @@ ENGINE = dict(max_num_batched_tokens=128, max_num_seqs=16, block_size=32, max_mo
 @pytest.fixture(scope="module")
 def loaded_llm(demo_model_dir):
     # ema 1 and high 0.5 steps: one step with any prompt queued beyond it gives the full bias (a test wants the
-    # transition, not the smoothing, which the unit tests above cover); the shipped router decides
-    cfg = {"sink": 8, "window": 32, "load_policy": {"enabled": True, "max_bias": MAX_BIAS, "low": 0.0, "high": 0.5,
+    # transition, not the smoothing, which the unit tests above cover); the shipped router decides, without the
+    # fail-safe floor (the bias is checked against the router's own decision)
+    cfg = {"sink": 8, "window": 32, "fa_floor": 0, "load_policy": {"enabled": True, "max_bias": MAX_BIAS, "low": 0.0, "high": 0.5,
                                                      "ema": 1.0, "levels": 1}}  # fmt: skip
     engine = make_llm(demo_model_dir, attention_backend="elastic", additional_config={"elastic": cfg}, **ENGINE)
     yield engine

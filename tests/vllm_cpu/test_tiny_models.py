@@ -86,7 +86,7 @@ def test_tiny_model_all_fa_matches_cpu_attn_and_routing_matches_transformers(tin
 
 
 def test_triton_kernels_path_equals_torch_path(tiny):
-    """The GPU path (csrc kernels: fused router, XAttention selection, hybrid prefill, split-KV decode),
+    """The GPU path (the kernels of elastic_vllm/ops: fused router, XAttention selection, hybrid prefill, split-KV decode),
     run by the CPU engine through Triton's interpreter, gives the torch path's routing and tokens.
     Mode XA-SSA with sparse decode: prefill has XA and SSA heads, decode SSA and dense heads."""
     assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py
@@ -129,7 +129,7 @@ def test_dense_steps_keep_tokens_and_routing(tiny):
     """Steps whose every head is FA (prompts within sink + window, forced all-FA, dense decode) go to the dense
     kernel; routing still runs (same decisions, same metrics) and tokens are those of the elastic kernels.
     The dense kernel here is the PyTorch reference (there is no FlashAttention on the CPU); the real one is
-    checked on the GPU (tests/gpu/check_vllm.py). Prompts of ~16 tokens are within sink + window (2 + 24);
+    checked on the GPU (tests/gpu/test_gpu_vllm.py). Prompts of ~16 tokens are within sink + window (2 + 24);
     doubled (~33) they are not, so their auto prefill keeps the hybrid kernel."""
     from elastic_vllm.reference.attention import dense_paged_attention
 
@@ -171,7 +171,7 @@ def test_fa_split_steps_keep_tokens_and_routing(tiny, monkeypatch):
     """Hybrid prompt steps with their FA heads on the dense kernel (``ops.fa_heads_attention``, one call per KV
     head) and the other heads on the hybrid prefill: the same tokens, decisions and Omegas as the elastic kernels
     alone, with mixed steps (decodes beside prompts) and chunked prompts. The dense kernel here is the PyTorch
-    reference; vLLM's FA3 is checked on the GPU (the warm-up's admission, tests/gpu/check_kernels.py)."""
+    reference; vLLM's FA3 is checked on the GPU (the warm-up's admission, tests/gpu/test_gpu_kernels.py)."""
     from elastic_vllm.reference.attention import dense_paged_attention
     from elastic_vllm.vllm_plugin import state as state_mod
 

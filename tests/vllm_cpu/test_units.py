@@ -14,10 +14,10 @@ import torch
 from transformers import LlamaConfig
 
 from elastic_vllm.config import ConfigError, HeadMode
+from elastic_vllm.ops.xattn_select.naive import xattn_block_mask_ref
 from elastic_vllm.reference.attention import hybrid_attention_ref
 from elastic_vllm.reference.paged import make_paged_batch
 from elastic_vllm.reference.rope import RopeSpec, apply_rope
-from elastic_vllm.reference.xattn import xattn_block_mask_ref
 from elastic_vllm.router.checkpoint import RouterCheckpointError
 from elastic_vllm.router.model import ElasticRouter, decide, pool_keys
 from elastic_vllm.vllm_plugin import observe
@@ -102,11 +102,11 @@ def test_route_batch_host_flags_skip_only_no_op_glue():
     forced = [RouteRow(0, 40, "all-SA", True, 3), RouteRow(1, 30, "auto", False, None)]
     rbf = build_route_batch(forced, batch.block_table, 16, "boundary", 100)
     assert (rbf.any_forced, rbf.any_decode_phase) == (True, True)
-    _, fa, modes, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
-    _, fa_f, _, _ = route_layer(1, batch.key_cache, rbf, router, rope, cfg, 2)
+    _, (fa, modes, _), _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+    _, (fa_f, _, _), _ = route_layer(1, batch.key_cache, rbf, router, rope, cfg, 2)
     assert not fa_f[0].any() and torch.equal(fa_f[1], fa[1])  # forced row all SA, the auto row unchanged
     rb.any_forced = True  # the full path on the same auto rows: same decisions
-    _, fa_full, modes_full, _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
+    _, (fa_full, modes_full, _), _ = route_layer(1, batch.key_cache, rb, router, rope, cfg, 2)
     assert torch.equal(fa_full, fa) and torch.equal(modes_full, modes)
 
 
@@ -154,6 +154,56 @@ def test_request_override():
     with pytest.raises(ValueError, match=r"vllm_xargs.elastic_force: must be one of 'auto', 'all-FA', 'all-SA'"):
         request_override({"elastic_force": "all-sa"})
     assert effective_force("auto", "all-FA") == "all-FA" and effective_force("all-SA", "all-FA") == "all-SA"
+
+
+@pytest.fixture
+def serving_elastic():
+    """This process as an API server serving the elastic backend: the admission checks of the plugin run."""
+    from elastic_vllm.vllm_plugin import compat, plugin
+
+    plugin.register()
+    config = SimpleNamespace(additional_config={"elastic": {}}, attention_config=SimpleNamespace(backend="elastic"))
+    before, compat._SERVING_ELASTIC[0] = compat._SERVING_ELASTIC[0], config
+    try:
+        yield config
+    finally:
+        compat._SERVING_ELASTIC[0] = before
+
+
+def test_refused_request_names_the_field_of_its_endpoint(serving_elastic):
+    """The same check names vllm_xargs.<key> for the OpenAI-compatible endpoints and sampling_params.extra_args.<key>
+    for the token endpoint (/inference/v1/generate, whose JSON carries the SamplingParams themselves)."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "extra_args": {"elastic_force": "fast"}}}
+    with pytest.raises(VLLMValidationError) as e:
+        GenerateRequest.model_validate(body)
+    assert str(e.value).startswith("sampling_params.extra_args.elastic_force: must be one of 'auto'"), e.value
+    assert e.value.parameter == "sampling_params.extra_args"
+    body["sampling_params"]["extra_args"] = {"elasticforce": "all-SA"}
+    with pytest.raises(VLLMValidationError, match=r"^sampling_params.extra_args.elasticforce: not an elastic-vllm key"):
+        GenerateRequest.model_validate(body)
+    with pytest.raises(VLLMValidationError) as e:  # vllm_xargs of the OpenAI endpoints become extra_args this way
+        SamplingParams.from_optional(max_tokens=2, extra_args={"elastic_force": "fast"})
+    assert str(e.value).startswith("vllm_xargs.elastic_force: must be one of"), e.value
+    assert e.value.parameter == "vllm_xargs"
+    assert GenerateRequest.model_validate({**body, "sampling_params": {"extra_args": {"elastic_force": "all-SA"}}})
+
+
+def test_request_field_reads_the_token_endpoints_handler_from_the_stack():
+    """At engine admission the SamplingParams are built already: the token endpoint's handler (a module of vLLM's
+    token_in_token_out package) on the stack names its field."""
+    from elastic_vllm.vllm_plugin import compat
+
+    code = compile(
+        "def handler(f):\n    return f()\n", "/x/vllm/entrypoints/scale_out/token_in_token_out/serving.py", "exec"
+    )
+    scope: dict = {}
+    exec(code, scope)
+    assert scope["handler"](compat.request_field) == compat.TOKENS_FIELD
+    assert (lambda: compat.request_field())() == compat.XARGS_FIELD
 
 
 def test_register_is_idempotent_and_spawn_safe():
@@ -358,7 +408,7 @@ def test_per_request_routing_lifecycle(tmp_path, runner, chunk_routing):
 def test_vllm_warmup_requests_are_routed_but_not_recorded(tmp_path):
     """vLLM 0.26's V2 runner warms up through execute_model with requests '_warmup_{i}_' (2-token prompts):
     they are routed like any request, but no routing event / metric is recorded for them."""
-    from elastic_vllm.vllm_plugin.state import is_vllm_warmup_request
+    from elastic_vllm.vllm_plugin.requests import is_vllm_warmup_request
 
     assert is_vllm_warmup_request("_warmup_0_") and is_vllm_warmup_request("_warmup_12_")
     assert is_vllm_warmup_request("_v2_mixed_warmup_decode_") and is_vllm_warmup_request("_v2_mixed_warmup_prefill_")

@@ -16,19 +16,29 @@ prompt past sink + window.
 from __future__ import annotations
 
 import os
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
-from elastic_vllm.csrc import decode, prefill, route, xattn_select
 
+from elastic_vllm.ops.decode import kernel as decode
+from elastic_vllm.ops.prefill import kernel as prefill
+from elastic_vllm.ops.route import kernel as route
+from elastic_vllm.ops.xattn_select import kernel as xattn_select
+from elastic_vllm.reference.attention import dense_paged_attention
 from elastic_vllm.router.model import ElasticRouter
-from elastic_vllm.vllm_plugin import backend, warmup
+from elastic_vllm.vllm_plugin import backend, compat, observe, warmup
+from elastic_vllm.vllm_plugin import state as state_mod
 
-from .conftest import close_llm, elastic_states, make_llm
-from .helpers import greedy
+from .conftest import close_llm, make_llm, state_of
+from .helpers import event_of, greedy
 from .routers import save_test_router
 from .tiny_models import TINY, build_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _routers import fixed_share_router
 
 pytestmark = pytest.mark.slow
 
@@ -89,15 +99,31 @@ def test_binder_sees_alignment_and_divisibility():
     assert key() == key(block_table=x[1:])  # opted out of alignment
 
 
-@pytest.mark.parametrize("mode", ["FA-SSA", "XA-SSA"])
-def test_serving_launches_only_warmed_up_variants(tmp_path, demo_model_dir, monkeypatch, mode):
+CASES = {
+    "FA-SSA": {"mode": "FA-SSA"},
+    "XA-SSA": {"mode": "XA-SSA"},
+    # the benchmarks' head-mixing router (an FA and an SA KV head in every layer), hybrid prompt steps with their
+    # FA heads on a dense kernel (vLLM's FlashAttention on the GPU; the warm-up admits a stand-in here) and
+    # requests with a fixed SA budget (the router kernel's logits-only launch)
+    "FA-SSA-mixed-split-budget": {"mode": "FA-SSA", "mixed": True},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_serving_launches_only_warmed_up_variants(tmp_path, demo_model_dir, monkeypatch, case):
     assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py
+    mode, mixed = CASES[case]["mode"], CASES[case].get("mixed", False)
     kind = "llama"
     model = build_tiny_model(kind, tmp_path / kind, demo_model_dir)
-    torch.manual_seed(1)
-    router = save_test_router(
-        ElasticRouter(2, TINY[kind]["head_dim"]), tmp_path / "router", TINY[kind]["num_key_value_heads"]
-    )
+    if mixed:
+        router = fixed_share_router(model, tmp_path, 0.5, "heads")
+        monkeypatch.setattr(state_mod, "FA_SPLIT_MIN_SEQ", 0)  # every hybrid prompt step splits
+        monkeypatch.setattr(compat, "flash_attn_dense", lambda dtype, d: (dense_paged_attention, "test stand-in"))
+    else:
+        torch.manual_seed(1)
+        router = save_test_router(
+            ElasticRouter(2, TINY[kind]["head_dim"]), tmp_path / "router", TINY[kind]["num_key_value_heads"]
+        )
     knobs = {"sink": 2, "window": 8, "mode": mode, "decode_mode": "sparse"}
     if mode == "XA-SSA":
         knobs.update(xattn_block=16, xattn_stride=4, xattn_threshold=0.5)
@@ -133,19 +159,31 @@ def test_serving_launches_only_warmed_up_variants(tmp_path, demo_model_dir, monk
         max_model_len=1024,
     )
     try:
-        (st,) = [s for s in elastic_states() if s.cfg.mode == mode and s.cfg.window == 8]
+        st = state_of(llm)  # this engine's (an earlier case's state may still be alive in this process)
+        assert st.cfg.mode == mode and st.cfg.window == 8
         assert st.ops == "triton" and st.kernel_router is not None
         heads = TINY[kind]["num_attention_heads"]
-        warmup.warm_up(st, torch.float32, heads, TINY[kind]["head_dim"])
+        report = warmup.warm_up(st, torch.float32, heads, TINY[kind]["head_dim"])
+        assert (report["fa_split"] is not None) == mixed, report
         for rec in phase["recs"]:
             rec.log = log["serving"]
         words = "the quick brown fox jumps over a lazy dog while rain falls on".split()
         # prompts of 20-60 tokens with budget 40 per step: chunked prefills next to the first ones' decodes
         prompts = [" ".join(words[: 4 + 3 * i] * 3) for i in range(5)]
-        outs = llm.generate(prompts, greedy(4, ignore_eos=True), use_tqdm=False)
+        budget = {"elastic_target_omega": 0.5} if mixed else None
+        params = [greedy(4, ignore_eos=True, xargs=budget if i % 2 else None) for i in range(len(prompts))]
+        split0 = observe.COUNTERS.fa_split_steps
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        split_steps = observe.COUNTERS.fa_split_steps - split0
+        events = [event_of(o.request_id) for o in outs]
     finally:
         close_llm(llm)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    if mixed:  # the paths under test ran: split steps, budgets, FA and SA heads in every layer
+        assert split_steps > 0
+        assert [e.target_omega for e in events] == [None, 0.5, None, 0.5, None]
+        for e in events[::2]:
+            assert e.head_modes.shape[-1] == 2 and bool((e.head_modes == 0).sum(-1).eq(1).all()), e.head_modes
     served = log["serving"]
     assert any(d > 0 for d, _ in mixed_steps), mixed_steps  # prefill rows after decode rows in one step
     # the serving steps really launched the hybrid prefill past one decode row, the decode and the router
