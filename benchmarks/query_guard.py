@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, bootstrap, environment, log, write_json
+from _harness import ROOT, environment, log, write_json
 
 SINK, WINDOW = 128, 512
 NQ_MAX = 64
@@ -706,13 +706,19 @@ def main() -> None:
     ap.add_argument("--cache", default=None, help="folder for per-prompt results (a rerun reuses them)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (float32 either way)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--fa-floor",
+        type=lambda v: float(v) if "." in v else int(v),
+        default=None,
+        help="the router's fail-safe floor (ElasticConfig.fa_floor: a count, a share in (0, 1), 0 for off; default: the config's)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    bootstrap()
     import torch
 
     from elastic_vllm.eval.baselines import static_routing
     from elastic_vllm.hf import load_elastic_model
+    from elastic_vllm.hf.integration import config_of_router
 
     global HKV
     if args.threads:
@@ -722,7 +728,10 @@ def main() -> None:
         from elastic_vllm.models import fetch_demo_model
 
         model_dir = str(fetch_demo_model(quiet=True))
-    model, tok = load_elastic_model(model_dir, None, args.router, device=args.device)
+    base = config_of_router(args.router)
+    if args.fa_floor is not None:
+        base = type(base).parse({**base.model_dump(), "fa_floor": args.fa_floor})
+    model, tok = load_elastic_model(model_dir, base, args.router, device=args.device)
     cfg = model.elastic_state.cfg
     if (cfg.sink, cfg.window, cfg.mode) != (SINK, WINDOW, "FA-SSA"):
         raise ValueError(f"this measurement is for FA-SSA sink {SINK} window {WINDOW}; the router has {cfg}")
@@ -805,7 +814,13 @@ def main() -> None:
         "env": environment(("torch", "transformers")),
         "model": model_dir,
         "router": args.router,
-        "config": {"sink": SINK, "window": WINDOW, "mode": "FA-SSA", "decode_mode": cfg.decode_mode},
+        "config": {
+            "sink": SINK,
+            "window": WINDOW,
+            "mode": "FA-SSA",
+            "decode_mode": cfg.decode_mode,
+            "fa_floor_heads": int(model.elastic_state.floor.sum()) if model.elastic_state.floor is not None else 0,
+        },
         "static_scores": str(STATIC_SCORES.relative_to(ROOT)),
         "sources": sources_digest(src),
         "prompts": {
