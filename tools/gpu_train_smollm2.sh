@@ -16,6 +16,8 @@
 # MAX_TOKENS (4096: longer samples are skipped), MICROBATCH_TOKENS (32768 padded tokens per forward),
 # ROUTER_LR (2e-3), LAMBDA_LR (0.05), WARMUP (0.05), TARGET_ROBUST (1.0), TARGET_SENSITIVE (0.3),
 # DATA_VERSION (unset; 4: fail unless DATA_DIR/manifest.json says builder_version 4, the balanced mixture),
+# RANK_PROMPTS (8: calibration prompts per length for the fail-safe floor's ranking; they need RULER's generator,
+# nvidia-long-context-eval, which the GPU image lacks: 0 there, then `elastic-vllm router-rank` on a CPU),
 # MEASURE (0), NEEDLE_PER_LENGTH (10), NEEDLE_LENGTHS (2048,...,6144), WORK (/tmp/elastic-router-train),
 # LAUNCH (python3; e.g. "torchrun --standalone --nproc_per_node 2": FSDP over the GPUs, BATCH split over them).
 # The defaults are the SHORT-RUN recipe (a few hundred steps in ~150 s; README.md "Short runs"): a
@@ -74,7 +76,7 @@ ${LAUNCH:-python3} -m elastic_vllm.cli train-router \
   --microbatch-tokens "$MICROBATCH_TOKENS" --router-lr "$ROUTER_LR" --lambda-lr "$LAMBDA_LR" --warmup "$WARMUP" \
   --target-robust "$TARGET_ROBUST" --target-sensitive "$TARGET_SENSITIVE" \
   --no-gradient-checkpointing --no-progress --backbone-id HuggingFaceTB/SmolLM2-135M-Instruct \
-  --time-budget-s "$TIME_BUDGET_S" "$@" 2>&1 | { grep -v "Loading weights" || true; }
+  --rank-prompts "${RANK_PROMPTS:-8}" --time-budget-s "$TIME_BUDGET_S" "$@" 2>&1 | { grep -v "Loading weights" || true; }
 
 cp "$WORK/summary.json" "$WORK/train_log.jsonl" "$OUT/"
 # the router as it ships: MLP weights stored in float16 (input standardization float32); measured below
