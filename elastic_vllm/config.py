@@ -45,9 +45,9 @@ SA_MARGIN_MAX = 1024.0
 # The fail-safe floor's default (fa_floor unset): this share of (layer, KV head) pairs stays FA where the router
 # holds a retrieval ranking (18 of SmolLM2's 90, which hold 95% of its needle attention mass). Measured through
 # `elastic-vllm serve` on held-out families (benchmarks/results/generalization-served-smollm2-cpu): the shipped
-# router alone found a number in documentation 35% / in Python source 65% of the time (dense 100% / 95%) at
-# Omega_MSR 0.94-0.98 and lost up to 0.38 nats on continuations; with this floor 100% / 95% at 0.75-0.79, every
-# counted family at >= 93% of dense, continuations at most 0.031 nats above dense at mean Omega_MSR 0.69.
+# router alone found a number in documentation 42% / in Python source 72% of the time (dense 100% / 98%) at
+# Omega_MSR 0.92-0.97 and lost up to 0.38 nats on continuations; with this floor 100% / 98% at 0.73-0.79, every
+# counted family at >= 96% of dense, continuations at most 0.031 nats above dense at mean Omega_MSR 0.69.
 FA_FLOOR_DEFAULT: float = 0.2
 # |bias| bound (deployment `bias`, per-request `elastic_bias`, load policy `max_bias`): the same logit scale as
 # sa_margin, so 1024 already routes every head of the shipped router either way
