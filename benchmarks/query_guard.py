@@ -508,6 +508,9 @@ def separation(prompts, dense, router, static_scores, top: int = 9) -> dict:
                     torch.stack([v.max() for v in sa_vals["sensitive"]]),
                     torch.stack([v.max() for v in sa_vals["robust"]]),
                 ),
+                # the margin behind that AUC: the lowest sensitive and the highest robust per-prompt maximum
+                "prompt_max_over_sa_min_sensitive": min(float(v.max()) for v in sa_vals["sensitive"]),
+                "prompt_max_over_sa_max_robust": max(float(v.max()) for v in sa_vals["robust"]),
             }
     return out
 
@@ -639,6 +642,8 @@ def per_prompt(prompts, results: dict) -> list[dict]:
             row.update(found=r["found"], generated=r["generated"])
         elif r["nll"] is not None:
             row["nll"] = round(r["nll"], 4)
+        if r.get("switch_layer") is not None:  # where a request-level switch fired
+            row["switch_layer"] = r["switch_layer"]
         rows.append(row)
     return rows
 
