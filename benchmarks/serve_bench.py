@@ -144,7 +144,9 @@ def bench(server, tokenizer: Path, w: dict, seed: int, out_dir: Path, tag: str) 
     data = json.loads((out_dir / fname).read_text())
     # the client's JSON as written, less its per-request arrays (generated texts, every ITL: ~1 MB a run)
     dropped = [k for k, v in data.items() if isinstance(v, list) and len(v) > 16]
+    errors = [e for e in data.get("errors") or [] if e]  # a failed request's reason stays: it is what to fix
     data = {k: v for k, v in data.items() if k not in dropped}
+    data["request_errors"] = errors[:8]
     data["_per_request_arrays_dropped"] = dropped
     data["_client_argv"] = "vllm bench serve " + " ".join(argv)
     return data
@@ -459,6 +461,10 @@ def server_env(cuda: bool) -> tuple[dict, list[str]]:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                TOKENIZERS_PARALLELISM="false", VLLM_USE_FLASHINFER_SAMPLER="0")  # fmt: skip
+    # vLLM's benchmark client keeps idle connections 60 s (aiohttp keepalive_timeout), its server closes them after
+    # 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a request sent on a connection the server is closing fails in the client
+    # (ServerDisconnectedError) without reaching the engine. The server outlasting the client removes that race
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "75")
     common: list[str] = []
     if not cuda:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

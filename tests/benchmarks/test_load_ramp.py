@@ -109,7 +109,8 @@ def test_dry_ramp_off_and_on_through_vllms_client(tmp_path):
         assert rec["burst"]["summary"]["completed"] == d["options"]["burst"]
         assert [s["multiple"] for s in rec["steps"]] == steps
         for s in rec["steps"]:
-            assert s["summary"]["completed"] == s["prompts"] and s["summary"]["failed"] == 0, (label, s["summary"])
+            why = (label, s["summary"], s["client"].get("request_errors"), rec.get("server_log_tail", "")[-1500:])
+            assert s["summary"]["completed"] == s["prompts"] and s["summary"]["failed"] == 0, why
             assert s["client"]["request_rate"] == s["rate"]
             assert s["bias"]["n"] > 0 and s["elastic_requests"] == s["prompts"]
         assert rec["bias_series"]["present"] and rec["bias_series"]["samples"]
