@@ -237,6 +237,7 @@ def test_aggregate_targets_and_value_over_static(monkeypatch):
     assert t["robust_loss_missed"] == ["d"] and not t["robust_loss_met"]  # 0.073 > LOSS_TOL, c's 0.03 within
     v = res["value_over_static"]["elastic"]
     assert v["value"] == pytest.approx(-25.0) and v["static_omega"] == pytest.approx(0.7) and not v["met"]
+    assert v["dense_found"] == 100.0 and v["headroom"] == 0.0  # static at the mix finds all that dense finds on a
     res.update(provenance={"vllm": "x", "torch": "t", "gpu": "none", "processor": "p", "host_cpu_count": 2,
                            "git_commit": "abc", "git_dirty": False, "command": "c"},
                model="m", router="r", options={"prompt_tokens": 10}, variants={"dense": {}, "elastic": {}},
@@ -246,6 +247,7 @@ def test_aggregate_targets_and_value_over_static(monkeypatch):
     assert "| c | 4 | 2.000 / 0.00 | +0.030 / 0.50 | +0.100 / 0.50 | within 0.05 nats |" in md
     assert "| d | 4 | 1.000 / 0.00 | +0.073 / 0.80 | - | MISSED: +0.073 nats > 0.05 |" in md
     assert "not counted: dense 25% < 70%" in md and "-25.0 points" in md
+    assert "dense finds 100.0%, so at this Omega routing can add at most +0.0 points over static" in md
 
 
 def test_samples_follow_the_configuration(monkeypatch):
