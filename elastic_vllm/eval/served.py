@@ -675,12 +675,15 @@ def summary_lines(res: dict) -> list[str]:
         t = res["targets"][v]
         n_s = len(t["sensitive"])
         missed = t.get("robust_loss_missed") or []
-        out.append(
-            f"- {v}: sensitive targets met in {t['sensitive_met']} of {n_s} families; robust mean Omega_MSR "
-            f"{_f(t['robust_omega_msr'], 2)} (target >= {TARGET_ROBUST_MSR}: {'met' if t['robust_met'] else 'missed'}), "
-            f"continuation loss {t['robust_loss_delta_mean']:+.3f} nats vs dense on average (tolerance {LOSS_TOL:g} "
-            f"per family: {'met' if t['robust_loss_met'] else 'missed on ' + ', '.join(missed)})"
+        robust = (
+            f"robust mean Omega_MSR {_f(t['robust_omega_msr'], 2)} (target >= {TARGET_ROBUST_MSR}: "
+            f"{'met' if t['robust_met'] else 'missed'}), continuation loss {t['robust_loss_delta_mean']:+.3f} nats vs "
+            f"dense on average (tolerance {LOSS_TOL:g} per family: "
+            f"{'met' if t['robust_loss_met'] else 'missed on ' + ', '.join(missed)})"
+            if t["robust_loss_delta"]
+            else "no robust family in this run (--slice)"
         )
+        out.append(f"- {v}: sensitive targets met in {t['sensitive_met']} of {n_s} families; {robust}")
         if val:
             gap = "met" if val["met"] else f"missed by {TARGET_VALUE - val['value']:.1f}"
             out.append(

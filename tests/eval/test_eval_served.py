@@ -266,6 +266,17 @@ def test_samples_follow_the_configuration(monkeypatch):
 
 
 @pytest.mark.slow
+def test_summary_of_a_slice_without_robust_families(monkeypatch):
+    """A --slice of sensitive families only: the summary says there is no robust family instead of NaN targets."""
+    monkeypatch.setattr(S, "prompt_hash", lambda p: f"{p.family}{p.index}")
+    monkeypatch.setattr(S.Variant, "key", lambda self: self.name)
+    prompts = [H.Prompt("a", "sensitive", "x", "h", "after", i, "", [], [], 8, 0.5) for i in range(4)]
+    rows = _rows("a", "sensitive", "dense", [1, 1, 1, 1], 0.0) + _rows("a", "sensitive", "elastic", [1, 1, 1, 1], 0.9)
+    res = S.aggregate(rows, prompts, S.variants(["dense", "elastic"], []), {}, {"a"}, {"a": 100.0})
+    lines = S.summary_lines(res)
+    assert lines == ["- elastic: sensitive targets met in 1 of 1 families; no robust family in this run (--slice)"]
+
+
 def test_slice_end_to_end_through_real_servers(tmp_path):
     """A number-in-docs family and the logs continuation loss, 2 prompts each, through `elastic-vllm serve` (the
     shipped router; the static ranking's own server), then --resume adds a variant without re-running the others
