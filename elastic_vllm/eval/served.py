@@ -686,13 +686,19 @@ def summary_lines(res: dict) -> list[str]:
         out.append(f"- {v}: sensitive targets met in {t['sensitive_met']} of {n_s} families; {robust}")
         if val:
             gap = "met" if val["met"] else f"missed by {TARGET_VALUE - val['value']:.1f}"
+            # a results.json written before the headroom was recorded renders without it
+            room = (
+                f"; dense finds {val['dense_found']:.1f}%, so at this Omega routing can add at most "
+                f"{val['headroom']:+.1f} points over static"
+                if "headroom" in val
+                else ""
+            )
             out.append(
                 f"- value over static ({v}): on the mix of {val['families']} qualified sensitive and the robust "
                 f"families, {v} realizes mean Omega_MSR {val['omega_mix']:.2f}; at that Omega "
                 f"({val['static_omega']:.2f} in whole heads) the static ranking finds {val['static_found']:.1f}% of "
                 f"the sensitive answers, {v} {val['sensitive_found']:.1f}%: {val['value']:+.1f} points (target >= "
-                f"+{TARGET_VALUE:g}: {gap}); dense finds {val['dense_found']:.1f}%, so at this Omega routing can add "
-                f"at most {val['headroom']:+.1f} points over static"
+                f"+{TARGET_VALUE:g}: {gap}){room}"
             )
     return out
 
