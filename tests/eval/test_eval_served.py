@@ -237,7 +237,7 @@ def test_aggregate_targets_and_value_over_static(monkeypatch):
     assert t["robust_loss_missed"] == ["d"] and not t["robust_loss_met"]  # 0.073 > LOSS_TOL, c's 0.03 within
     v = res["value_over_static"]["elastic"]
     assert v["value"] == pytest.approx(-25.0) and v["static_omega"] == pytest.approx(0.7) and not v["met"]
-    assert v["dense_found"] == 100.0 and v["headroom"] == 0.0  # static at the mix finds all that dense finds on a
+    assert v["dense_found"] == 100.0 and v["headroom"] == 0.0  # static finds all dense finds on a
     res.update(provenance={"vllm": "x", "torch": "t", "gpu": "none", "processor": "p", "host_cpu_count": 2,
                            "git_commit": "abc", "git_dirty": False, "command": "c"},
                model="m", router="r", options={"prompt_tokens": 10}, variants={"dense": {}, "elastic": {}},
@@ -268,7 +268,6 @@ def test_samples_follow_the_configuration(monkeypatch):
     assert replace(elastic, base={"window": 256}).key() != elastic.key()
 
 
-@pytest.mark.slow
 def test_summary_of_a_slice_without_robust_families(monkeypatch):
     """A --slice of sensitive families only: the summary says there is no robust family instead of NaN targets."""
     monkeypatch.setattr(S, "prompt_hash", lambda p: f"{p.family}{p.index}")
@@ -280,6 +279,7 @@ def test_summary_of_a_slice_without_robust_families(monkeypatch):
     assert lines == ["- elastic: sensitive targets met in 1 of 1 families; no robust family in this run (--slice)"]
 
 
+@pytest.mark.slow
 def test_slice_end_to_end_through_real_servers(tmp_path):
     """A number-in-docs family and the logs continuation loss, 2 prompts each, through `elastic-vllm serve` (the
     shipped router; the static ranking's own server), then --resume adds a variant without re-running the others
