@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H200 (no network): stage vLLM 0.26, then run the checks, training and
 # benchmarks. Each step is one `device run` call, back to back (the machine keeps /tmp ~30 s idle).
-#   bash tools/gpu_session.sh stage N     # N = 1..5: copy .vllm-gpu/cN (built by tools/gpu_bundle.sh: parts that fit
+#   bash tools/gpu_session.sh stage N     # N = 1..: copy .vllm-gpu/cN (built by tools/gpu_bundle.sh: parts that fit
 #                                           # one call with the tree) to /tmp/stage; .gpu-carry (router data) when
 #                                           # carried (mind the 64 MiB per call), 2 installs .whl/gguf
 #   bash tools/gpu_session.sh unpack      # unpack vLLM to /tmp/vsite, convert the demo model (from the carried GGUF)
@@ -29,7 +29,7 @@
 #   train_only per GGUF piece but the last (carry .gpu-gguf/p1 .gpu-carry .whl, then p2), then `train_bg` (carry the
 #   last piece, .gpu-gguf/p3, and .whl; pieces from tools/gpu_gguf.sh): recipes
 #   VARIANT_A / VARIANT_B start detached on GPU $TRAIN_GPU from a copy of the tree (/tmp/tree-train);
-#   stage 1..5 + unpack; check (CHECKS on GPU 0); collect_train (waits, tars, picks /tmp/router);
+#   stage 1..N + unpack; check (CHECKS on GPU 0); collect_train (waits, tars, picks /tmp/router);
 #   fsdp (torchrun over both GPUs with VARIANT_A's recipe and step count, compared with run A) + tp
 #   (tests/gpu/test_gpu_tp.py); eval_bg (accuracy on GPU 1, detached) + e2e; collect_eval.
 # Results go to $OUT; GIT_COMMIT must be set by the caller (the device gets the tree without .git).
