@@ -23,8 +23,11 @@ among distractors or a question asked only before the context, the dense demo mo
 
 ``CELLS`` is the design: 14 of the 42 (kind, haystack) cells, every kind in 2 haystacks and every haystack in 2-3
 kinds, both placements, including a 6-digit number in technical documentation and a value assigned once in
-Python source (where the shipped router sends ~95% of the heads to SA). Robust families: the haystack alone,
-scored by the loss of its last ``LOSS_TOKENS`` tokens.
+Python source (where the shipped router sends ~95% of the heads to SA). Robust families, two per haystack:
+``continue`` (the haystack alone, a completions prompt, scored by the loss of its last ``LOSS_TOKENS`` tokens) and
+``summarize`` (the haystack in one user turn like the retrieval prompts', asked for a summary; the reply is scored
+against dense's reply to the same prompt), so the robust side has chat prompts of the same form as the sensitive
+side's, with only the task differing.
 
 Why one file of ~500 lines: the six haystack generators and the seven fact styles are one table each; the prompt
 builder reads both.
@@ -61,7 +64,8 @@ CELLS: tuple[tuple[str, str, str], ...] = (
     ("table", "docs", "before"),
     ("table", "logs", "after"),
 )
-ROBUST_CELLS: tuple[tuple[str, str, str], ...] = tuple(("continue", h, "after") for h in HAYSTACKS)
+ROBUST_KINDS = ("continue", "summarize")
+ROBUST_CELLS: tuple[tuple[str, str, str], ...] = tuple((k, h, "after") for k in ROBUST_KINDS for h in HAYSTACKS)
 WHAT = {
     "prose": "text",
     "code": "Python source file",
@@ -75,6 +79,9 @@ WHAT = {
 MAX_TOKENS = {"number": 32, "word": 16, "uuid": 56, "identifier": 40, "kv": 24, "table": 24, "multi": 48}
 # robust families: the mean NLL of the prompt's last LOSS_TOKENS tokens given the rest (vLLM's prompt_logprobs)
 LOSS_TOKENS = 128
+# summaries: greedy reply of at most SUMMARY_TOKENS new tokens to the instruction after the haystack
+SUMMARY_TOKENS = 64
+SUMMARY_Q = "Summarize the {what} above in two sentences."
 KV_PAIRS, TABLE_ROWS, MULTI_ANSWERS, MULTI_OTHER = 8, 5, 2, 0
 
 W = (
@@ -440,6 +447,12 @@ def make_prompt(kind: str, hay: str, placement: str, index: int, tokenizer, toke
         if kind == "continue":  # the haystack alone, as a completions prompt: its last LOSS_TOKENS are scored
             content = SEP[hay].join(body)
             return Prompt(fam, "robust", kind, hay, placement, index, content, [], [], 1, 1.0, loss_tokens=LOSS_TOKENS)
+        if kind == "summarize":  # the retrieval prompts' form, a summary asked instead of a fact
+            if placement != "after":
+                raise ValueError(f"{fam}: a summary is asked after the context")
+            q = SUMMARY_Q.format(what=what.removeprefix("piece of "))
+            content = f"Below is a {what}.\n\n{SEP[hay].join(body)}\n\n{q}"
+            return Prompt(fam, "robust", kind, hay, placement, index, content, [], [], SUMMARY_TOKENS, 1.0, q)
         taken = {w for u in body for w in re.findall(r"[a-z]+", u.lower())}
         a = rng.choice([w for w in W if w not in taken] or W)
         if kind in KEY:
@@ -506,4 +519,6 @@ def design_cells(include_robust: bool = True) -> list[tuple[str, str, str]]:
 def build_prompts(cells, per_cell: int, tokenizer, tokens: int, seed: int = 0, robust_per_cell: int | None = None):
     """``per_cell`` prompts of every sensitive family, ``robust_per_cell`` (default the same) of every robust one."""
     n = {True: per_cell, False: per_cell if robust_per_cell is None else robust_per_cell}
-    return [make_prompt(k, h, p, i, tokenizer, tokens, seed) for k, h, p in cells for i in range(n[k != "continue"])]
+    return [
+        make_prompt(k, h, p, i, tokenizer, tokens, seed) for k, h, p in cells for i in range(n[k not in ROBUST_KINDS])
+    ]

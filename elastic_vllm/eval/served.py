@@ -7,7 +7,8 @@ report read the same sample rows; split, each part would re-describe the row.
     elastic-vllm eval --suite generalization --out OUT [--per-cell 20] [--variants dense elastic static]
         [--variant 'NAME={"fa_floor": 0}'] [--slice 'number/*'] [--resume]
 
-Prompts: ``eval/heldout.py`` (14 sensitive retrieval cells, 6 robust continuation families). Each variant is a
+Prompts: ``eval/heldout.py`` (14 sensitive retrieval cells; 12 robust families: a continuation and a summary of
+each of the 6 haystacks). Each variant is a
 server configuration (``--additional-config '{"elastic": {...}}'`` over the demo settings sink 128, window 512)
 plus per-request ``vllm_xargs``, each variant on a fresh ``elastic-vllm serve`` (no state carried between them):
 
@@ -28,9 +29,11 @@ realized mean Omega_MSR on that family (the table), or on the whole mix of quali
 
 Requests go one at a time, greedy; each request's Omega_MSR is the change of the server's
 ``elastic:request_omega_msr`` sum over it (its count must grow by exactly one). Sensitive prompts score RULER's
-string_match_all over the answer values (found = all of them); robust ones (the haystack alone, a completions
-request) the mean NLL of the prompt's last 128 tokens from ``prompt_logprobs``, compared with dense's on the same
-prompts (paired difference, tolerance ``LOSS_TOL``). Dense runs first: a sensitive family counts (a target) only when dense finds >= 70% of its answers.
+string_match_all over the answer values (found = all of them); robust continuations (the haystack alone, a
+completions request) the mean NLL of the prompt's last 128 tokens from ``prompt_logprobs``, compared with dense's
+on the same prompts (paired difference, tolerance ``LOSS_TOL``); robust summaries (a chat request like the
+retrieval prompts') the ROUGE-L of the reply against dense's reply to the same prompt (tolerance ``SUMMARY_MIN``,
+next to the floor: dense's summaries of the family's other prompts scored against each other). Dense runs first: a sensitive family counts (a target) only when dense finds >= 70% of its answers.
 
 Writes OUT/results.json (provenance, per-family table, value over static, targets), results.md, samples.jsonl.gz
 and generalization.png. ``--resume`` keeps the samples of OUT/samples.jsonl.gz whose prompt and server
@@ -58,6 +61,8 @@ MIN_DENSE = 70.0  # a sensitive family counts when dense finds at least this sha
 TARGET_KEEP, TARGET_FLOOR, TARGET_ROBUST_MSR, TARGET_VALUE = 0.95, 0.90, 0.6, 5.0
 # robust tolerance: a variant's mean continuation loss at most this many nats above dense's on a family
 LOSS_TOL = 0.05
+# and its summaries: mean ROUGE-L F1 (x100) against dense's reply to the same prompt at least this
+SUMMARY_MIN = 50.0
 BUILTIN = ("dense", "elastic", "static")
 SERVED_NAME = "smollm2"
 CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", "256M", "--max-num-seqs", "1"]
@@ -194,11 +199,14 @@ def tail_loss(choice, n: int, what: str) -> float:
     return sum(nll) / n
 
 
-def score(p: H.Prompt, res: dict) -> float:
-    """Sensitive: RULER's string_match_all over the answer values (%). Robust: the mean NLL of the scored tail."""
+def score(p: H.Prompt, res: dict, ref: dict | None = None) -> float:
+    """Sensitive: RULER's string_match_all over the answer values (%). Continuation: the mean NLL of the scored
+    tail. Summary: ROUGE-L F1 (x100) against ``ref``, dense's sample of the same prompt (NaN without one)."""
     if p.category == "sensitive":
         return M.string_match_all(M.postprocess_pred(res["pred"]), p.answers)
-    return res["loss"]
+    if p.loss_tokens:
+        return res["loss"]
+    return M.rouge_l(res["pred"], ref["pred"]) if ref else float("nan")
 
 
 class Server:
@@ -339,7 +347,7 @@ def run(opts, argv: list[str], log=print) -> dict:
         r = {"variant": v.name, "variant_key": v.key(), "family": p.family, "category": p.category, "kind": p.kind,
              "haystack": p.haystack, "placement": p.placement, "index": p.index, "prompt_hash": prompt_hash(p),
              "answers": p.answers, "n_sa": n_sa, **res}  # fmt: skip
-        r["score"] = score(p, res)
+        r["score"] = score(p, res, res if v is dense else samples.get(dense, p))
         r["found"] = bool(r["score"] == 100.0) if p.category == "sensitive" else None
         samples.add(r)
         return r
@@ -530,11 +538,19 @@ def aggregate(rows: list[dict], prompts: list[H.Prompt], vs: list[Variant], stat
         if rs[0].get("loss") is not None:
             d = [xs[i]["loss"] - ref[i]["loss"] for i in sorted(xs) if i in ref]
             c |= {"loss": _mean([x["loss"] for x in rs]), "loss_delta": _mean(d), "loss_delta_se": _se(d)}
+        elif rs[0]["category"] == "robust":  # a summary: against dense's reply now (dense's samples may be newer)
+            r = [M.rouge_l(xs[i]["pred"], ref[i]["pred"]) for i in sorted(xs) if i in ref]
+            c |= {"rouge": _mean(r), "rouge_se": _se(r)}
+            if xs is ref:  # the floor: dense's summary of each prompt against its summary of the next one
+                ix = sorted(xs)
+                fl = [M.rouge_l(xs[a]["pred"], xs[b]["pred"]) for a, b in zip(ix, ix[1:] + ix[:1]) if a != b]
+                c |= {"rouge_floor": _mean(fl)}
         return c
 
     static_key = static.get("variant_key")
     for f, d in fams.items():
         ref = by.get((f, vs[0].key(), None), {})  # dense
+        d["summary"] = d["kind"] == "summarize"
         for v in vs:
             if by.get((f, v.key(), None)):
                 d["variants"][v.name] = cell(by[(f, v.key(), None)], ref)
@@ -584,8 +600,10 @@ def targets(fams: dict, v: str, sens: list[str], rob: list[str], val: dict) -> d
         per[f] = {"keep": keep, "met": not miss, "miss": "; ".join(miss)}
     mine = {f: fams[f]["variants"][v] for f in rob if v in fams[f]["variants"]}
     rob_msr = _mean([c["omega_msr"] for c in mine.values()])
-    loss = {f: c.get("loss_delta") for f, c in mine.items()}
+    loss = {f: c.get("loss_delta") for f, c in mine.items() if not fams[f].get("summary")}
     worse = {f: x for f, x in loss.items() if not x <= LOSS_TOL}  # NaN (no dense reference) counts as missed
+    summ = {f: c.get("rouge") for f, c in mine.items() if fams[f].get("summary")}
+    summ_worse = {f: x for f, x in summ.items() if not x >= SUMMARY_MIN}
     return {
         "sensitive": per,
         "sensitive_met": sum(x["met"] for x in per.values()),
@@ -595,6 +613,9 @@ def targets(fams: dict, v: str, sens: list[str], rob: list[str], val: dict) -> d
         "robust_loss_delta_mean": _mean(list(loss.values())),
         "robust_loss_met": bool(mine) and not worse,
         "robust_loss_missed": sorted(worse),
+        "robust_summary_rouge": summ,
+        "robust_summary_met": bool(summ) and not summ_worse if summ else None,
+        "robust_summary_missed": sorted(summ_worse),
         "value_met": val.get("met"),
     }
 
@@ -642,7 +663,10 @@ def family_table(res: dict, target: str = "elastic") -> str:
              "|---|---|" + "---|" * len(cols) + "---|"]  # fmt: skip
     tgt = res["targets"].get(target, {})
     fams = res["families"]
-    order = sorted(fams, key=lambda f: (fams[f]["category"] != "sensitive", not fams[f]["qualified"], f))
+    order = sorted(
+        fams,
+        key=lambda f: (fams[f]["category"] != "sensitive", not fams[f]["qualified"], bool(fams[f].get("summary")), f),
+    )
     for f in order:
         d = fams[f]
         cells = []
@@ -652,11 +676,18 @@ def family_table(res: dict, target: str = "elastic") -> str:
                 cells.append("-")
             elif d["category"] == "sensitive":
                 cells.append(f"{_f(c['found'])} / {_f(c['omega_msr'], 2)}")
+            elif d.get("summary"):
+                cells.append(f"{_f(c.get('rouge'))} / {_f(c['omega_msr'], 2)}")
             elif key == "dense":
                 cells.append(f"{_f(c['loss'], 3)} / {_f(c['omega_msr'], 2)}")
             else:
                 cells.append(f"{c['loss_delta']:+.3f} / {_f(c['omega_msr'], 2)}")
-        if d["category"] == "robust":
+        if d.get("summary"):
+            x = tgt.get("robust_summary_rouge", {}).get(f)
+            fl = f" (floor {_f(d['variants'].get('dense', {}).get('rouge_floor'))})"
+            verdict = ("-" if x is None else f"ROUGE-L >= {SUMMARY_MIN:g}{fl}" if x >= SUMMARY_MIN
+                       else f"MISSED: ROUGE-L {_f(x)} < {SUMMARY_MIN:g}{fl}")  # fmt: skip
+        elif d["category"] == "robust":
             x = tgt.get("robust_loss_delta", {}).get(f)
             verdict = ("-" if x is None else f"within {LOSS_TOL:g} nats" if x <= LOSS_TOL
                        else f"MISSED: {x:+.3f} nats > {LOSS_TOL:g}")  # fmt: skip
@@ -675,12 +706,23 @@ def summary_lines(res: dict) -> list[str]:
         t = res["targets"][v]
         n_s = len(t["sensitive"])
         missed = t.get("robust_loss_missed") or []
+        parts = []
+        if t["robust_loss_delta"]:
+            parts.append(
+                f"continuation loss {t['robust_loss_delta_mean']:+.3f} nats vs dense on average (tolerance "
+                f"{LOSS_TOL:g} per family: {'met' if t['robust_loss_met'] else 'missed on ' + ', '.join(missed)})"
+            )
+        summ = t.get("robust_summary_rouge") or {}  # absent from a results.json written before summaries
+        if summ:
+            sm = t["robust_summary_missed"]
+            parts.append(
+                f"summaries' ROUGE-L vs dense {_mean(list(summ.values())):.0f} on average (>= {SUMMARY_MIN:g} per "
+                f"family: {'met' if not sm else 'missed on ' + ', '.join(sm)})"
+            )
         robust = (
             f"robust mean Omega_MSR {_f(t['robust_omega_msr'], 2)} (target >= {TARGET_ROBUST_MSR}: "
-            f"{'met' if t['robust_met'] else 'missed'}), continuation loss {t['robust_loss_delta_mean']:+.3f} nats vs "
-            f"dense on average (tolerance {LOSS_TOL:g} per family: "
-            f"{'met' if t['robust_loss_met'] else 'missed on ' + ', '.join(missed)})"
-            if t["robust_loss_delta"]
+            f"{'met' if t['robust_met'] else 'missed'}), " + ", ".join(parts)
+            if parts
             else "no robust family in this run (--slice)"
         )
         out.append(f"- {v}: sensitive targets met in {t['sensitive_met']} of {n_s} families; {robust}")
@@ -714,7 +756,8 @@ def markdown(res: dict) -> str:
         "",
         "Cells: found % (sensitive: every answer value in the reply) / mean Omega_MSR, over n prompts of "
         f"~{res['options']['prompt_tokens']} tokens; robust: the mean NLL (nats) of each prompt's last "
-        f"{H.LOSS_TOKENS} tokens, dense's, and the others' difference to it on the same prompts. Static: heads ranked "
+        f"{H.LOSS_TOKENS} tokens, dense's, and the others' difference to it on the same prompts; summaries: ROUGE-L "
+        "of the reply against dense's reply to the same prompt (dense = 100). Static: heads ranked "
         "by retrieval score, the lowest SA, as many as the routed variant's mean Omega_MSR on the family.",
         "",
         family_table(res),
@@ -740,7 +783,11 @@ def plot(res: dict, path: Path) -> Path:
             "sensitive (counted)",
             [f for f, d in sorted(fams.items()) if d["category"] == "sensitive" and d["qualified"]],
         ),
-        ("robust (continuation loss)", [f for f, d in sorted(fams.items()) if d["category"] == "robust"]),
+        (
+            "robust (continuation loss)",
+            [f for f, d in sorted(fams.items()) if d["category"] == "robust" and not d.get("summary")],
+        ),
+        ("robust (summary: ROUGE-L vs dense's reply)", [f for f, d in sorted(fams.items()) if d.get("summary")]),
     ]
     groups = [(t, fs) for t, fs in groups if fs]
     fig, axes = plt.subplots(
@@ -748,14 +795,15 @@ def plot(res: dict, path: Path) -> Path:
     )
     colors = ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink"]
     for ax, (title, fs) in zip(axes[:, 0], groups):
-        sens = title.startswith("sensitive")
+        sens, summ = title.startswith("sensitive"), "summary" in title
+        metric = "found" if sens else "rouge" if summ else "loss_delta"
         here = [(k, c) for k, c in enumerate(cols) if any(c[1] in fams[f]["variants"] for f in fs)]
-        if not sens:  # dense is the reference (a difference of 0)
+        if not sens:  # dense is the reference (a difference of 0, a ROUGE-L of 100)
             here = [(k, c) for k, c in here if c[1] != "dense"]
         w = 0.8 / max(1, len(here))
         ax2 = ax.twinx()
         for j, (k, (name, key)) in enumerate(here):
-            ys = [fams[f]["variants"].get(key, {}).get("found" if sens else "loss_delta", float("nan")) for f in fs]
+            ys = [fams[f]["variants"].get(key, {}).get(metric, float("nan")) for f in fs]
             om = [fams[f]["variants"].get(key, {}).get("omega_msr", float("nan")) for f in fs]
             xs = [i + (j - (len(here) - 1) / 2) * w for i in range(len(fs))]
             ax.bar(xs, [float("nan") if y is None else y for y in ys], width=w, color=colors[k % len(colors)],
@@ -765,6 +813,10 @@ def plot(res: dict, path: Path) -> Path:
         if sens:
             ax.set_ylim(0, 105)
             ax.set_ylabel("found % (bars)", fontsize=8)
+        elif summ:
+            ax.set_ylim(0, 105)
+            ax.axhline(SUMMARY_MIN, color="gray", linestyle="--", linewidth=1)
+            ax.set_ylabel(f"ROUGE-L vs dense (bars; dashed: {SUMMARY_MIN:g})", fontsize=8)
         else:
             ax.axhline(LOSS_TOL, color="gray", linestyle="--", linewidth=1)
             ax.set_ylabel(f"loss - dense, nats (bars; dashed: tolerance {LOSS_TOL:g})", fontsize=8)

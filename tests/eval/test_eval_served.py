@@ -37,7 +37,8 @@ def test_design_covers_kinds_haystacks_and_placements():
     assert set(hays) == set(H.HAYSTACKS) and all(len(x) >= 2 for x in hays.values())
     assert {p for *_, p in H.CELLS} == set(H.PLACEMENTS)
     assert ("number", "docs", "after") in H.CELLS and ("number", "code", "after") in H.CELLS
-    assert {h for _, h, _ in H.ROBUST_CELLS} == set(H.HAYSTACKS)
+    for k in H.ROBUST_KINDS:  # a continuation and a summary of every haystack
+        assert {h for kk, h, _ in H.ROBUST_CELLS if kk == k} == set(H.HAYSTACKS)
 
 
 def test_prompts_are_deterministic(tok, prompts):
@@ -53,7 +54,7 @@ def test_answers_occur_exactly_once_and_differ_from_distractors(prompts):
     for fam, ps in prompts.items():
         for p in ps:
             if p.category == "robust":
-                assert p.answers == [] and p.kind == "continue"
+                assert p.answers == [] and p.kind in H.ROBUST_KINDS
                 continue
             assert p.answers, fam
             for v in p.answers + p.distractors:
@@ -69,7 +70,7 @@ def test_answers_occur_exactly_once_and_differ_from_distractors(prompts):
 def test_question_placement(prompts):
     for fam, ps in prompts.items():
         for p in ps:
-            if p.category == "robust":  # the haystack alone: a completions prompt whose tail is scored
+            if p.kind == "continue":  # the haystack alone: a completions prompt whose tail is scored
                 assert not p.question and p.loss_tokens == H.LOSS_TOKENS and p.max_tokens == 1, fam
                 continue
             assert p.question and p.loss_tokens == 0, fam
@@ -103,6 +104,22 @@ def test_haystacks_are_not_the_training_sources():
         H.make_prompt("multi", "code", "after", 0, byte_tokenizer(), 400)
 
 
+def test_summary_prompts_have_the_retrieval_prompts_form(prompts):
+    """A summary prompt is a chat prompt like an 'after' retrieval prompt of the same haystack, the question
+    replaced by the summary instruction; a continuation is the bare haystack."""
+    for hay in H.HAYSTACKS:
+        s, c = prompts[f"summarize/{hay}/after"][0], prompts[f"continue/{hay}/after"][0]
+        assert s.category == "robust" and s.loss_tokens == 0 and s.max_tokens == H.SUMMARY_TOKENS
+        assert s.content.startswith(f"Below is a {H.WHAT[hay]}.\n\n") and s.content.endswith("\n\n" + s.question)
+        assert s.question.startswith("Summarize the ") and s.question in s.content
+        assert c.loss_tokens == H.LOSS_TOKENS and not c.content.startswith("Below is a")
+        sens = next(ps[0] for f, ps in prompts.items() if ps[0].haystack == hay and ps[0].placement == "after"
+                    and ps[0].category == "sensitive")  # fmt: skip
+        assert sens.content.split("\n\n")[0] == s.content.split("\n\n")[0]  # the same intro
+    with pytest.raises(ValueError, match="a summary is asked after the context"):
+        H.make_prompt("summarize", "logs", "before", 0, byte_tokenizer(), 400)
+
+
 def test_scoring():
     p = H.Prompt("multi/prose/after", "sensitive", "multi", "prose", "after", 0, "", ["111111", "222222"], [], 8, 0.2)
     assert S.score(p, {"pred": "The codes are 111111 and 222222."}) == 100.0
@@ -110,6 +127,10 @@ def test_scoring():
     assert S.score(p, {"pred": "none"}) == 0.0
     r = H.Prompt("continue/logs/after", "robust", "continue", "logs", "after", 0, "", [], [], 1, 1.0, loss_tokens=2)
     assert S.score(r, {"pred": "", "loss": 1.25}) == 1.25
+    s = H.Prompt("summarize/logs/after", "robust", "summarize", "logs", "after", 0, "", [], [], 64, 1.0)
+    assert S.score(s, {"pred": "the cron job failed twice"}, {"pred": "the cron job failed twice"}) == 100.0
+    assert S.score(s, {"pred": "a b c d"}, {"pred": "a b x y"}) == pytest.approx(50.0)  # LCS 2 of 4 and 4
+    assert math.isnan(S.score(s, {"pred": "a"}))  # no dense reply to score against
 
 
 def test_tail_loss_reads_the_prompts_own_tokens():
@@ -253,6 +274,43 @@ def test_aggregate_targets_and_value_over_static(monkeypatch):
     assert "-25.0 points (target >= +5: missed by 30.0)\n" in S.markdown(res)
 
 
+def test_aggregate_summaries_against_dense(monkeypatch):
+    """Summary families: ROUGE-L of each reply against dense's reply to the same prompt (paired), dense's floor
+    (its replies to the family's prompts against each other), the SUMMARY_MIN target, the table and the summary."""
+    monkeypatch.setattr(S, "prompt_hash", lambda p: f"{p.family}{p.index}")
+    monkeypatch.setattr(S.Variant, "key", lambda self: self.name)
+    mk = lambda fam: [H.Prompt(fam, "robust", "summarize", "h", "after", i, "", [], [], 64, 1.0) for i in range(3)]  # noqa: E731
+    dense_preds = ["a b c d", "e f g h", "a b x y"]
+
+    def rows(fam, variant, preds, omega):
+        return [{"variant": variant, "variant_key": variant, "family": fam, "category": "robust", "index": i,
+                 "prompt_hash": f"{fam}{i}", "pred": x, "score": float("nan"), "found": None, "omega_msr": omega,
+                 "n_sa": None} for i, x in enumerate(preds)]  # fmt: skip
+
+    rs = (rows("s", "dense", dense_preds, 0.0) + rows("s", "elastic", ["a b c d", "e f g h", "a b c d"], 0.7)
+          + rows("t", "dense", dense_preds, 0.0) + rows("t", "elastic", ["z", "e f z z", "q"], 0.9))  # fmt: skip
+    res = S.aggregate(rs, mk("s") + mk("t"), S.variants(["dense", "elastic"], []), {}, set(), {})
+    s, t = res["families"]["s"]["variants"], res["families"]["t"]["variants"]
+    assert res["families"]["s"]["summary"] and s["dense"]["rouge"] == 100.0
+    # floor: (abcd, efgh) 0, (efgh, abxy) 0, (abxy, abcd) 50
+    assert s["dense"]["rouge_floor"] == pytest.approx(50 / 3)
+    assert s["elastic"]["rouge"] == pytest.approx(250 / 3)  # 100, 100, 50
+    assert t["elastic"]["rouge"] == pytest.approx(50 / 3)  # 0, 50, 0
+    assert "loss_delta" not in s["elastic"]
+    tg = res["targets"]["elastic"]
+    assert tg["robust_summary_rouge"] == {"s": pytest.approx(250 / 3), "t": pytest.approx(50 / 3)}
+    assert tg["robust_summary_missed"] == ["t"] and tg["robust_summary_met"] is False
+    assert tg["robust_omega_msr"] == pytest.approx(0.8) and tg["robust_loss_delta"] == {}
+    res.update(provenance={"vllm": "x", "torch": "t", "gpu": "none", "processor": "p", "host_cpu_count": 2,
+                           "git_commit": "abc", "git_dirty": False, "command": "c"},
+               model="m", router="r", options={"prompt_tokens": 10}, variants={"dense": {}, "elastic": {}},
+               static={}, wall_s=1.0)  # fmt: skip
+    md = S.markdown(res)
+    assert "| s | 3 | 100 / 0.00 | 83 / 0.70 | ROUGE-L >= 50 (floor 17) |" in md
+    assert "| t | 3 | 100 / 0.00 | 17 / 0.90 | MISSED: ROUGE-L 17 < 50 (floor 17) |" in md
+    assert "summaries' ROUGE-L vs dense 50 on average (>= 50 per family: missed on t)" in md
+
+
 def test_samples_follow_the_configuration(monkeypatch):
     """A sample belongs to a configuration, not a name: the default fa_floor is part of a routed variant's key
     (a changed default is a changed configuration), not of a forced one's; the base configuration is too."""
@@ -281,24 +339,25 @@ def test_summary_of_a_slice_without_robust_families(monkeypatch):
 
 @pytest.mark.slow
 def test_slice_end_to_end_through_real_servers(tmp_path):
-    """A number-in-docs family and the logs continuation loss, 2 prompts each, through `elastic-vllm serve` (the
+    """A number-in-docs family, the logs continuation loss and the logs summary, 2 prompts each, through
+    `elastic-vllm serve` (the
     shipped router; the static ranking's own server), then --resume adds a variant without re-running the others
     and serves a renamed configuration from the samples it already has."""
     scores = torch.arange(90, dtype=torch.float32).view(30, 3).flip(0)  # any fixed ranking: the test checks routing
     (tmp_path / "scores.json").write_text(json.dumps({"retrieval_scores": scores.tolist()}))
     out = tmp_path / "out"
-    argv = ["--suite", "generalization", "--slice", "number/docs/after", "continue/logs/after", "--per-cell", "2",
-            "--prompt-tokens", "900", "--min-dense", "0", "--static-scores", str(tmp_path / "scores.json"),
+    argv = ["--suite", "generalization", "--slice", "number/docs/after", "continue/logs/after", "summarize/logs/after",
+            "--per-cell", "2", "--prompt-tokens", "900", "--min-dense", "0", "--static-scores", str(tmp_path / "scores.json"),
             "--device", "cpu", "--out", str(out)]  # fmt: skip
     assert harness.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
-    assert set(res["families"]) == {"number/docs/after", "continue/logs/after"}
+    assert set(res["families"]) == {"number/docs/after", "continue/logs/after", "summarize/logs/after"}
     with gzip.open(out / "samples.jsonl.gz", "rt") as f:
         rows = [json.loads(x) for x in f]
     dense = [r for r in rows if r["variant"] == "dense"]
-    assert len(dense) == 4 and all(r["omega_msr"] == 0.0 for r in dense)
+    assert len(dense) == 6 and all(r["omega_msr"] == 0.0 for r in dense)
     elastic = [r for r in rows if r["variant"] == "elastic"]
-    assert len(elastic) == 4 and all(0.0 <= r["omega_msr"] <= 1.0 for r in elastic)
+    assert len(elastic) == 6 and all(0.0 <= r["omega_msr"] <= 1.0 for r in elastic)
     static = [r for r in rows if r["variant"] == "static"]
     assert static and all(r["omega_msr"] == pytest.approx(r["n_sa"] / 90, abs=1e-6) for r in static)
     plan = res["static"]["by_variant"]["elastic"]
@@ -312,6 +371,12 @@ def test_slice_end_to_end_through_real_servers(tmp_path):
     for key in ("elastic", "static@elastic"):  # the same prompts scored under other routings: a finite difference
         assert math.isfinite(robust[key]["loss_delta"]) and robust[key]["loss"] > 0.0
     assert all(r["loss"] > 0.0 for r in rows if r["family"] == "continue/logs/after")
+    summ = res["families"]["summarize/logs/after"]["variants"]
+    assert summ["dense"]["rouge"] == 100.0 and 0.0 <= summ["dense"]["rouge_floor"] < 100.0
+    for key in ("elastic", "static@elastic"):
+        assert 0.0 <= summ[key]["rouge"] <= 100.0
+    replies = [r for r in rows if r["family"] == "summarize/logs/after"]
+    assert len(replies) >= 6 and all(len(r["pred"].split()) >= 3 for r in replies)  # a reply, not an empty string
     assert "--suite generalization" in res["provenance"]["command"] and res["provenance"]["vllm"]
     assert (out / "generalization.png").stat().st_size > 0
     assert "| number/docs/after | 2 |" in (out / "results.md").read_text()
@@ -324,7 +389,7 @@ def test_slice_end_to_end_through_real_servers(tmp_path):
     harness.add_args(opts)
     harness.run(opts.parse_args(again), ["test"], log=logs.append)
     assert not any("dense: starting a server" in x for x in logs)
-    assert any("wide: starting a server for 4 requests" in x for x in logs)
+    assert any("wide: starting a server for 6 requests" in x for x in logs)
     assert not any("same: starting a server" in x for x in logs)
     again = json.loads((out / "results.json").read_text())
     w = again["families"]["number/docs/after"]["variants"]["wide"]
