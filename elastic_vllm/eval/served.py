@@ -32,8 +32,10 @@ Requests go one at a time, greedy; each request's Omega_MSR is the change of the
 string_match_all over the answer values (found = all of them); robust continuations (the haystack alone, a
 completions request) the mean NLL of the prompt's last 128 tokens from ``prompt_logprobs``, compared with dense's
 on the same prompts (paired difference, tolerance ``LOSS_TOL``); robust summaries (a chat request like the
-retrieval prompts') the ROUGE-L of the reply against dense's reply to the same prompt (tolerance ``SUMMARY_MIN``,
-next to the floor: dense's summaries of the family's other prompts scored against each other). Dense runs first: a sensitive family counts (a target) only when dense finds >= 70% of its answers.
+retrieval prompts') are scored against dense's reply to the same prompt twice: the mean NLL of dense's reply
+under the variant (one more request: the chat prompt and dense's reply as token ids, ``prompt_logprobs``; paired
+difference to dense's own, tolerance ``SUMMARY_TOL``) and the ROUGE-L of the variant's own reply against it
+(reported with its floor: dense's summaries of the family's other prompts against each other). Dense runs first: a sensitive family counts (a target) only when dense finds >= 70% of its answers.
 
 Writes OUT/results.json (provenance, per-family table, value over static, targets), results.md, samples.jsonl.gz
 and generalization.png. ``--resume`` keeps the samples of OUT/samples.jsonl.gz whose prompt and server
@@ -61,8 +63,8 @@ MIN_DENSE = 70.0  # a sensitive family counts when dense finds at least this sha
 TARGET_KEEP, TARGET_FLOOR, TARGET_ROBUST_MSR, TARGET_VALUE = 0.95, 0.90, 0.6, 5.0
 # robust tolerance: a variant's mean continuation loss at most this many nats above dense's on a family
 LOSS_TOL = 0.05
-# and its summaries: mean ROUGE-L F1 (x100) against dense's reply to the same prompt at least this
-SUMMARY_MIN = 50.0
+# and its summaries: the mean NLL of dense's reply under the variant at most this many nats above dense's own
+SUMMARY_TOL = 0.05
 BUILTIN = ("dense", "elastic", "static")
 SERVED_NAME = "smollm2"
 CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", "256M", "--max-num-seqs", "1"]
@@ -209,6 +211,17 @@ def score(p: H.Prompt, res: dict, ref: dict | None = None) -> float:
     return M.rouge_l(res["pred"], ref["pred"]) if ref else float("nan")
 
 
+def reply_prompt(tok, p: H.Prompt, reply: str) -> tuple[list[int], int]:
+    """Token ids of ``p``'s chat prompt (the chat template, as the server renders it for a chat request) followed
+    by ``reply``, and the reply's token count: what a completions request with ``prompt_logprobs`` scores."""
+    head = tok.apply_chat_template([{"role": "user", "content": p.content}], add_generation_prompt=True)
+    head = list(head["input_ids"] if isinstance(head, dict) else head)
+    tail = tok.encode(reply, add_special_tokens=False)
+    if not tail:
+        raise RuntimeError(f"{p.family} #{p.index}: dense's reply is empty: nothing to score a summary against")
+    return head + tail, len(tail)
+
+
 class Server:
     """One ``elastic-vllm serve`` of the model with an elastic configuration; ``ask`` sends one request and reads
     its Omega_MSR off /metrics."""
@@ -255,6 +268,22 @@ class Server:
         if n1 - n0 != 1:
             raise RuntimeError(f"{p.family} #{p.index}: /metrics recorded {n1 - n0:g} routings for one request")
         return res | {"prompt_tokens": out.usage.prompt_tokens, "omega_msr": s1 - s0, "seconds": round(secs, 2)}
+
+    def reply_loss(self, ids: list[int], n: int, xargs: dict, what: str) -> dict:
+        """The mean NLL of the last ``n`` of ``ids`` (a chat prompt and a reply, ``reply_prompt``) under this
+        server's routing of the request, and that request's own Omega_MSR (the router reads the reply too)."""
+        s0, n0 = self._msr()
+        out = self.client.completions.create(
+            model=SERVED_NAME,
+            prompt=ids,
+            max_tokens=1,
+            temperature=0,
+            extra_body={"prompt_logprobs": 0, "return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})},
+        )
+        s1, n1 = self._msr()
+        if n1 - n0 != 1:
+            raise RuntimeError(f"{what}: /metrics recorded {n1 - n0:g} routings for one request")
+        return {"loss": tail_loss(out.choices[0], n, what), "reply_tokens": n, "loss_omega_msr": s1 - s0}
 
     def stop(self) -> None:
         self.proc.stop()
@@ -376,7 +405,14 @@ def run(opts, argv: list[str], log=print) -> dict:
                     skipped.append(f"dense {p.family} #{p.index}")
                     done += 1
                     continue
-                record(v, p, srv.ask(p, xargs), n_sa)
+                res = srv.ask(p, xargs)
+                if p.kind == "summarize":  # dense's reply (dense: the one just written) under this routing
+                    ref = res if v is dense else samples.get(dense, p)
+                    if ref is None:
+                        raise RuntimeError(f"{v.name} {p.family} #{p.index}: no dense reply to score the summary by")
+                    ids, n = reply_prompt(tok, p, ref["pred"])
+                    res |= srv.reply_loss(ids, n, xargs, f"{v.name} {p.family} #{p.index} (dense's reply)")
+                record(v, p, res, n_sa)
                 done += 1
                 if done % 10 == 0 or done == len(todo):
                     eta = (time.perf_counter() - t0) / done * (len(todo) - done)
@@ -538,7 +574,7 @@ def aggregate(rows: list[dict], prompts: list[H.Prompt], vs: list[Variant], stat
         if rs[0].get("loss") is not None:
             d = [xs[i]["loss"] - ref[i]["loss"] for i in sorted(xs) if i in ref]
             c |= {"loss": _mean([x["loss"] for x in rs]), "loss_delta": _mean(d), "loss_delta_se": _se(d)}
-        elif rs[0]["category"] == "robust":  # a summary: against dense's reply now (dense's samples may be newer)
+        if rs[0].get("kind") == "summarize":  # against dense's reply now (dense's samples may be newer)
             r = [M.rouge_l(xs[i]["pred"], ref[i]["pred"]) for i in sorted(xs) if i in ref]
             c |= {"rouge": _mean(r), "rouge_se": _se(r)}
             if xs is ref:  # the floor: dense's summary of each prompt against its summary of the next one
@@ -602,8 +638,8 @@ def targets(fams: dict, v: str, sens: list[str], rob: list[str], val: dict) -> d
     rob_msr = _mean([c["omega_msr"] for c in mine.values()])
     loss = {f: c.get("loss_delta") for f, c in mine.items() if not fams[f].get("summary")}
     worse = {f: x for f, x in loss.items() if not x <= LOSS_TOL}  # NaN (no dense reference) counts as missed
-    summ = {f: c.get("rouge") for f, c in mine.items() if fams[f].get("summary")}
-    summ_worse = {f: x for f, x in summ.items() if not x >= SUMMARY_MIN}
+    summ = {f: c.get("loss_delta") for f, c in mine.items() if fams[f].get("summary")}
+    summ_worse = {f: x for f, x in summ.items() if not x <= SUMMARY_TOL}
     return {
         "sensitive": per,
         "sensitive_met": sum(x["met"] for x in per.values()),
@@ -613,8 +649,9 @@ def targets(fams: dict, v: str, sens: list[str], rob: list[str], val: dict) -> d
         "robust_loss_delta_mean": _mean(list(loss.values())),
         "robust_loss_met": bool(mine) and not worse,
         "robust_loss_missed": sorted(worse),
-        "robust_summary_rouge": summ,
-        "robust_summary_met": bool(summ) and not summ_worse if summ else None,
+        "robust_summary_loss_delta": summ,
+        "robust_summary_rouge": {f: c.get("rouge") for f, c in mine.items() if fams[f].get("summary")},
+        "robust_summary_met": not summ_worse if summ else None,
         "robust_summary_missed": sorted(summ_worse),
         "value_met": val.get("met"),
     }
@@ -676,17 +713,19 @@ def family_table(res: dict, target: str = "elastic") -> str:
                 cells.append("-")
             elif d["category"] == "sensitive":
                 cells.append(f"{_f(c['found'])} / {_f(c['omega_msr'], 2)}")
+            elif d.get("summary") and key == "dense":
+                cells.append(f"{_f(c['loss'], 3)}, 100 / {_f(c['omega_msr'], 2)}")
             elif d.get("summary"):
-                cells.append(f"{_f(c.get('rouge'))} / {_f(c['omega_msr'], 2)}")
+                cells.append(f"{c['loss_delta']:+.3f}, {_f(c.get('rouge'))} / {_f(c['omega_msr'], 2)}")
             elif key == "dense":
                 cells.append(f"{_f(c['loss'], 3)} / {_f(c['omega_msr'], 2)}")
             else:
                 cells.append(f"{c['loss_delta']:+.3f} / {_f(c['omega_msr'], 2)}")
         if d.get("summary"):
-            x = tgt.get("robust_summary_rouge", {}).get(f)
-            fl = f" (floor {_f(d['variants'].get('dense', {}).get('rouge_floor'))})"
-            verdict = ("-" if x is None else f"ROUGE-L >= {SUMMARY_MIN:g}{fl}" if x >= SUMMARY_MIN
-                       else f"MISSED: ROUGE-L {_f(x)} < {SUMMARY_MIN:g}{fl}")  # fmt: skip
+            x = tgt.get("robust_summary_loss_delta", {}).get(f)
+            fl = f"; ROUGE-L floor {_f(d['variants'].get('dense', {}).get('rouge_floor'))}"
+            verdict = ("-" if x is None else f"within {SUMMARY_TOL:g} nats{fl}" if x <= SUMMARY_TOL
+                       else f"MISSED: {x:+.3f} nats > {SUMMARY_TOL:g}{fl}")  # fmt: skip
         elif d["category"] == "robust":
             x = tgt.get("robust_loss_delta", {}).get(f)
             verdict = ("-" if x is None else f"within {LOSS_TOL:g} nats" if x <= LOSS_TOL
@@ -712,12 +751,13 @@ def summary_lines(res: dict) -> list[str]:
                 f"continuation loss {t['robust_loss_delta_mean']:+.3f} nats vs dense on average (tolerance "
                 f"{LOSS_TOL:g} per family: {'met' if t['robust_loss_met'] else 'missed on ' + ', '.join(missed)})"
             )
-        summ = t.get("robust_summary_rouge") or {}  # absent from a results.json written before summaries
+        summ = t.get("robust_summary_loss_delta") or {}  # absent from a results.json written before summaries
         if summ:
             sm = t["robust_summary_missed"]
             parts.append(
-                f"summaries' ROUGE-L vs dense {_mean(list(summ.values())):.0f} on average (>= {SUMMARY_MIN:g} per "
-                f"family: {'met' if not sm else 'missed on ' + ', '.join(sm)})"
+                f"dense's summaries {_mean(list(summ.values())):+.3f} nats under it on average (tolerance "
+                f"{SUMMARY_TOL:g} per family: {'met' if not sm else 'missed on ' + ', '.join(sm)}), its own "
+                f"summaries' ROUGE-L vs dense's {_mean(list(t['robust_summary_rouge'].values())):.0f}"
             )
         robust = (
             f"robust mean Omega_MSR {_f(t['robust_omega_msr'], 2)} (target >= {TARGET_ROBUST_MSR}: "
@@ -756,8 +796,9 @@ def markdown(res: dict) -> str:
         "",
         "Cells: found % (sensitive: every answer value in the reply) / mean Omega_MSR, over n prompts of "
         f"~{res['options']['prompt_tokens']} tokens; robust: the mean NLL (nats) of each prompt's last "
-        f"{H.LOSS_TOKENS} tokens, dense's, and the others' difference to it on the same prompts; summaries: ROUGE-L "
-        "of the reply against dense's reply to the same prompt (dense = 100). Static: heads ranked "
+        f"{H.LOSS_TOKENS} tokens, dense's, and the others' difference to it on the same prompts; summaries: the mean "
+        "NLL of dense's reply (dense's, then the difference to it) and the ROUGE-L of the variant's own reply against "
+        "dense's (dense = 100). Static: heads ranked "
         "by retrieval score, the lowest SA, as many as the routed variant's mean Omega_MSR on the family.",
         "",
         family_table(res),
@@ -787,7 +828,7 @@ def plot(res: dict, path: Path) -> Path:
             "robust (continuation loss)",
             [f for f, d in sorted(fams.items()) if d["category"] == "robust" and not d.get("summary")],
         ),
-        ("robust (summary: ROUGE-L vs dense's reply)", [f for f, d in sorted(fams.items()) if d.get("summary")]),
+        ("robust (summary: loss of dense's reply)", [f for f, d in sorted(fams.items()) if d.get("summary")]),
     ]
     groups = [(t, fs) for t, fs in groups if fs]
     fig, axes = plt.subplots(
@@ -796,7 +837,7 @@ def plot(res: dict, path: Path) -> Path:
     colors = ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink"]
     for ax, (title, fs) in zip(axes[:, 0], groups):
         sens, summ = title.startswith("sensitive"), "summary" in title
-        metric = "found" if sens else "rouge" if summ else "loss_delta"
+        metric = "found" if sens else "loss_delta"
         here = [(k, c) for k, c in enumerate(cols) if any(c[1] in fams[f]["variants"] for f in fs)]
         if not sens:  # dense is the reference (a difference of 0, a ROUGE-L of 100)
             here = [(k, c) for k, c in here if c[1] != "dense"]
@@ -813,13 +854,10 @@ def plot(res: dict, path: Path) -> Path:
         if sens:
             ax.set_ylim(0, 105)
             ax.set_ylabel("found % (bars)", fontsize=8)
-        elif summ:
-            ax.set_ylim(0, 105)
-            ax.axhline(SUMMARY_MIN, color="gray", linestyle="--", linewidth=1)
-            ax.set_ylabel(f"ROUGE-L vs dense (bars; dashed: {SUMMARY_MIN:g})", fontsize=8)
         else:
-            ax.axhline(LOSS_TOL, color="gray", linestyle="--", linewidth=1)
-            ax.set_ylabel(f"loss - dense, nats (bars; dashed: tolerance {LOSS_TOL:g})", fontsize=8)
+            tol = SUMMARY_TOL if summ else LOSS_TOL
+            ax.axhline(tol, color="gray", linestyle="--", linewidth=1)
+            ax.set_ylabel(f"loss - dense, nats (bars; dashed: tolerance {tol:g})", fontsize=8)
         ax2.set_ylim(0, 1.05)
         ax2.set_ylabel("Omega_MSR (dots)", fontsize=8)
         ax.set_title(title)

@@ -275,30 +275,33 @@ def test_aggregate_targets_and_value_over_static(monkeypatch):
 
 
 def test_aggregate_summaries_against_dense(monkeypatch):
-    """Summary families: ROUGE-L of each reply against dense's reply to the same prompt (paired), dense's floor
-    (its replies to the family's prompts against each other), the SUMMARY_MIN target, the table and the summary."""
+    """Summary families: the loss of dense's reply under each variant (paired difference to dense's own, the
+    SUMMARY_TOL target), the ROUGE-L of each variant's reply against dense's (paired), dense's ROUGE-L floor (its
+    replies to the family's prompts against each other), the table and the summary line."""
     monkeypatch.setattr(S, "prompt_hash", lambda p: f"{p.family}{p.index}")
     monkeypatch.setattr(S.Variant, "key", lambda self: self.name)
     mk = lambda fam: [H.Prompt(fam, "robust", "summarize", "h", "after", i, "", [], [], 64, 1.0) for i in range(3)]  # noqa: E731
     dense_preds = ["a b c d", "e f g h", "a b x y"]
 
-    def rows(fam, variant, preds, omega):
-        return [{"variant": variant, "variant_key": variant, "family": fam, "category": "robust", "index": i,
-                 "prompt_hash": f"{fam}{i}", "pred": x, "score": float("nan"), "found": None, "omega_msr": omega,
-                 "n_sa": None} for i, x in enumerate(preds)]  # fmt: skip
+    def rows(fam, variant, preds, losses, omega):
+        return [{"variant": variant, "variant_key": variant, "family": fam, "category": "robust", "kind": "summarize",
+                 "index": i, "prompt_hash": f"{fam}{i}", "pred": x, "loss": lo, "score": float("nan"), "found": None,
+                 "omega_msr": omega, "n_sa": None} for i, (x, lo) in enumerate(zip(preds, losses))]  # fmt: skip
 
-    rs = (rows("s", "dense", dense_preds, 0.0) + rows("s", "elastic", ["a b c d", "e f g h", "a b c d"], 0.7)
-          + rows("t", "dense", dense_preds, 0.0) + rows("t", "elastic", ["z", "e f z z", "q"], 0.9))  # fmt: skip
+    rs = (rows("s", "dense", dense_preds, [0.5, 0.6, 0.7], 0.0)
+          + rows("s", "elastic", ["a b c d", "e f g h", "a b c d"], [0.52, 0.62, 0.72], 0.7)
+          + rows("t", "dense", dense_preds, [0.5, 0.6, 0.7], 0.0)
+          + rows("t", "elastic", ["z", "e f z z", "q"], [0.9, 0.8, 0.7], 0.9))  # fmt: skip
     res = S.aggregate(rs, mk("s") + mk("t"), S.variants(["dense", "elastic"], []), {}, set(), {})
     s, t = res["families"]["s"]["variants"], res["families"]["t"]["variants"]
-    assert res["families"]["s"]["summary"] and s["dense"]["rouge"] == 100.0
+    assert res["families"]["s"]["summary"] and s["dense"]["rouge"] == 100.0 and s["dense"]["loss_delta"] == 0.0
     # floor: (abcd, efgh) 0, (efgh, abxy) 0, (abxy, abcd) 50
     assert s["dense"]["rouge_floor"] == pytest.approx(50 / 3)
     assert s["elastic"]["rouge"] == pytest.approx(250 / 3)  # 100, 100, 50
     assert t["elastic"]["rouge"] == pytest.approx(50 / 3)  # 0, 50, 0
-    assert "loss_delta" not in s["elastic"]
+    assert s["elastic"]["loss_delta"] == pytest.approx(0.02) and t["elastic"]["loss_delta"] == pytest.approx(0.2)
     tg = res["targets"]["elastic"]
-    assert tg["robust_summary_rouge"] == {"s": pytest.approx(250 / 3), "t": pytest.approx(50 / 3)}
+    assert tg["robust_summary_loss_delta"] == {"s": pytest.approx(0.02), "t": pytest.approx(0.2)}
     assert tg["robust_summary_missed"] == ["t"] and tg["robust_summary_met"] is False
     assert tg["robust_omega_msr"] == pytest.approx(0.8) and tg["robust_loss_delta"] == {}
     res.update(provenance={"vllm": "x", "torch": "t", "gpu": "none", "processor": "p", "host_cpu_count": 2,
@@ -306,9 +309,10 @@ def test_aggregate_summaries_against_dense(monkeypatch):
                model="m", router="r", options={"prompt_tokens": 10}, variants={"dense": {}, "elastic": {}},
                static={}, wall_s=1.0)  # fmt: skip
     md = S.markdown(res)
-    assert "| s | 3 | 100 / 0.00 | 83 / 0.70 | ROUGE-L >= 50 (floor 17) |" in md
-    assert "| t | 3 | 100 / 0.00 | 17 / 0.90 | MISSED: ROUGE-L 17 < 50 (floor 17) |" in md
-    assert "summaries' ROUGE-L vs dense 50 on average (>= 50 per family: missed on t)" in md
+    assert "| s | 3 | 0.600, 100 / 0.00 | +0.020, 83 / 0.70 | within 0.05 nats; ROUGE-L floor 17 |" in md
+    assert "| t | 3 | 0.600, 100 / 0.00 | +0.200, 17 / 0.90 | MISSED: +0.200 nats > 0.05; ROUGE-L floor 17 |" in md
+    assert "dense's summaries +0.110 nats under it on average (tolerance 0.05 per family: missed on t)" in md
+    assert "its own summaries' ROUGE-L vs dense's 50" in md
 
 
 def test_samples_follow_the_configuration(monkeypatch):
@@ -373,8 +377,9 @@ def test_slice_end_to_end_through_real_servers(tmp_path):
     assert all(r["loss"] > 0.0 for r in rows if r["family"] == "continue/logs/after")
     summ = res["families"]["summarize/logs/after"]["variants"]
     assert summ["dense"]["rouge"] == 100.0 and 0.0 <= summ["dense"]["rouge_floor"] < 100.0
-    for key in ("elastic", "static@elastic"):
-        assert 0.0 <= summ[key]["rouge"] <= 100.0
+    assert 0.0 < summ["dense"]["loss"] < 10.0 and summ["dense"]["loss_delta"] == 0.0
+    for key in ("elastic", "static@elastic"):  # dense's reply scored under the other routings
+        assert 0.0 <= summ[key]["rouge"] <= 100.0 and math.isfinite(summ[key]["loss_delta"])
     replies = [r for r in rows if r["family"] == "summarize/logs/after"]
     assert len(replies) >= 6 and all(len(r["pred"].split()) >= 3 for r in replies)  # a reply, not an empty string
     assert "--suite generalization" in res["provenance"]["command"] and res["provenance"]["vllm"]
