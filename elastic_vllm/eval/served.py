@@ -214,8 +214,8 @@ def score(p: H.Prompt, res: dict, ref: dict | None = None) -> float:
 def reply_prompt(tok, p: H.Prompt, reply: str) -> tuple[list[int], int]:
     """Token ids of ``p``'s chat prompt (the chat template, as the server renders it for a chat request) followed
     by ``reply``, and the reply's token count: what a completions request with ``prompt_logprobs`` scores."""
-    head = tok.apply_chat_template([{"role": "user", "content": p.content}], add_generation_prompt=True)
-    head = list(head["input_ids"] if isinstance(head, dict) else head)
+    text = tok.apply_chat_template([{"role": "user", "content": p.content}], add_generation_prompt=True, tokenize=False)
+    head = tok.encode(text, add_special_tokens=False)
     tail = tok.encode(reply, add_special_tokens=False)
     if not tail:
         raise RuntimeError(f"{p.family} #{p.index}: dense's reply is empty: nothing to score a summary against")
