@@ -680,6 +680,11 @@ def _f(x, nd=0) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
+def _delta(x: float) -> str:
+    """A loss difference in nats, signed, 3 decimals; one that rounds to zero is +0.000, not -0.000."""
+    return f"{x:+.3f}" if round(x, 3) != 0 else "+0.000"
+
+
 def columns(res: dict) -> list[tuple[str, str]]:
     """(column title, variant key) of the family table: dense, then each routed variant and its static match."""
     cols = [("dense", "dense")]
@@ -716,11 +721,11 @@ def family_table(res: dict, target: str = "elastic") -> str:
             elif d.get("summary") and key == "dense":
                 cells.append(f"{_f(c['loss'], 3)}, 100 / {_f(c['omega_msr'], 2)}")
             elif d.get("summary"):
-                cells.append(f"{c['loss_delta']:+.3f}, {_f(c.get('rouge'))} / {_f(c['omega_msr'], 2)}")
+                cells.append(f"{_delta(c['loss_delta'])}, {_f(c.get('rouge'))} / {_f(c['omega_msr'], 2)}")
             elif key == "dense":
                 cells.append(f"{_f(c['loss'], 3)} / {_f(c['omega_msr'], 2)}")
             else:
-                cells.append(f"{c['loss_delta']:+.3f} / {_f(c['omega_msr'], 2)}")
+                cells.append(f"{_delta(c['loss_delta'])} / {_f(c['omega_msr'], 2)}")
         if d.get("summary"):
             x = tgt.get("robust_summary_loss_delta", {}).get(f)
             fl = f"; ROUGE-L floor {_f(d['variants'].get('dense', {}).get('rouge_floor'))}"

@@ -313,6 +313,7 @@ def test_aggregate_summaries_against_dense(monkeypatch):
     assert "| t | 3 | 0.600, 100 / 0.00 | +0.200, 17 / 0.90 | MISSED: +0.200 nats > 0.05; ROUGE-L floor 17 |" in md
     assert "dense's summaries +0.110 nats under it on average (tolerance 0.05 per family: missed on t)" in md
     assert "its own summaries' ROUGE-L vs dense's 50" in md
+    assert S._delta(-0.0004) == "+0.000" and S._delta(-0.0006) == "-0.001" and S._delta(0.02) == "+0.020"
 
 
 def test_samples_follow_the_configuration(monkeypatch):
