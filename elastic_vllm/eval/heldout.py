@@ -29,7 +29,7 @@ Python source (where the shipped router sends ~95% of the heads to SA). Robust f
 against dense's reply to the same prompt), so the robust side has chat prompts of the same form as the sensitive
 side's, with only the task differing.
 
-Why one file of ~500 lines: the six haystack generators and the seven fact styles are one table each; the prompt
+Why one file of ~520 lines: the six haystack generators and the seven fact styles are one table each; the prompt
 builder reads both.
 """
 

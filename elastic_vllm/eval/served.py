@@ -1,7 +1,7 @@
 """The generalization suite through the serving path: held-out families, per family, dense vs Elastic vs the
 static ranking at the same Omega_MSR (and any other server configuration), over vLLM's OpenAI API.
 
-Why one file of ~700 lines: one run (servers, samples, resume by configuration), its aggregation, targets and
+Why one file of ~900 lines: one run (servers, samples, resume by configuration), its aggregation, targets and
 report read the same sample rows; split, each part would re-describe the row.
 
     elastic-vllm eval --suite generalization --out OUT [--per-cell 20] [--variants dense elastic static]
