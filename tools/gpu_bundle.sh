@@ -12,7 +12,7 @@ shared=${ELASTIC_SHARED:-../shared}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # the fewest parts of SIZE bytes that fit one call: 60 MiB (4 MiB under the limit) less the tracked tree and .whl
-# (22 MiB tree on 2026-12-07 turned 5 parts of 46 MiB into a refused call)
+# (a 22 MiB tree leaves no room for 46 MiB parts)
 fit_parts() {
   local tree whl room
   tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)

@@ -242,48 +242,49 @@ class Server:
         m = self.proc.metrics()
         return metric_value(m, "elastic:request_omega_msr_sum"), metric_value(m, "elastic:request_omega_msr_count")
 
-    def ask(self, p: H.Prompt, xargs: dict) -> dict:
+    def _routed(self, send, what: str):
+        """``send()``'s response and the Omega_MSR of its one routing (the /metrics count must grow by one)."""
         s0, n0 = self._msr()
+        out = send()
+        s1, n1 = self._msr()
+        if n1 - n0 != 1:
+            raise RuntimeError(f"{what}: /metrics recorded {n1 - n0:g} routings for one request")
+        return out, s1 - s0
+
+    def _score_prompt(self, prompt: str | list[int], xargs: dict):
+        """A completions request that scores its own prompt (``prompt_logprobs``) and writes 1 token."""
+        return self.client.completions.create(
+            model=SERVED_NAME,
+            prompt=prompt,
+            max_tokens=1,
+            temperature=0,
+            extra_body={"prompt_logprobs": 0, "return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})},
+        )
+
+    def ask(self, p: H.Prompt, xargs: dict) -> dict:
+        what = f"{p.family} #{p.index}"
         t0 = time.perf_counter()
-        if p.loss_tokens:  # robust: the completions API scores the prompt itself (prompt_logprobs), 1 new token
-            out = self.client.completions.create(
-                model=SERVED_NAME,
-                prompt=p.content,
-                max_tokens=1,
-                temperature=0,
-                extra_body={"prompt_logprobs": 0, "return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})},
-            )
-            res = {"pred": "", "loss": tail_loss(out.choices[0], p.loss_tokens, f"{p.family} #{p.index}")}
+        if p.loss_tokens:  # robust: the completions API scores the prompt itself
+            out, omega = self._routed(lambda: self._score_prompt(p.content, xargs), what)
+            res = {"pred": "", "loss": tail_loss(out.choices[0], p.loss_tokens, what)}
         else:
-            out = self.client.chat.completions.create(
+            chat = dict(
                 model=SERVED_NAME,
                 messages=[{"role": "user", "content": p.content}],
                 max_tokens=p.max_tokens,
                 temperature=0,
                 extra_body={"vllm_xargs": xargs} if xargs else None,
             )
+            out, omega = self._routed(lambda: self.client.chat.completions.create(**chat), what)
             res = {"pred": out.choices[0].message.content or ""}
         secs = time.perf_counter() - t0
-        s1, n1 = self._msr()
-        if n1 - n0 != 1:
-            raise RuntimeError(f"{p.family} #{p.index}: /metrics recorded {n1 - n0:g} routings for one request")
-        return res | {"prompt_tokens": out.usage.prompt_tokens, "omega_msr": s1 - s0, "seconds": round(secs, 2)}
+        return res | {"prompt_tokens": out.usage.prompt_tokens, "omega_msr": omega, "seconds": round(secs, 2)}
 
     def reply_loss(self, ids: list[int], n: int, xargs: dict, what: str) -> dict:
         """The mean NLL of the last ``n`` of ``ids`` (a chat prompt and a reply, ``reply_prompt``) under this
         server's routing of the request, and that request's own Omega_MSR (the router reads the reply too)."""
-        s0, n0 = self._msr()
-        out = self.client.completions.create(
-            model=SERVED_NAME,
-            prompt=ids,
-            max_tokens=1,
-            temperature=0,
-            extra_body={"prompt_logprobs": 0, "return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})},
-        )
-        s1, n1 = self._msr()
-        if n1 - n0 != 1:
-            raise RuntimeError(f"{what}: /metrics recorded {n1 - n0:g} routings for one request")
-        return {"loss": tail_loss(out.choices[0], n, what), "reply_tokens": n, "loss_omega_msr": s1 - s0}
+        out, omega = self._routed(lambda: self._score_prompt(ids, xargs), what)
+        return {"loss": tail_loss(out.choices[0], n, what), "reply_tokens": n, "loss_omega_msr": omega}
 
     def stop(self) -> None:
         self.proc.stop()
@@ -372,11 +373,11 @@ def run(opts, argv: list[str], log=print) -> dict:
     earlier = out / "results.json"
     earlier_variants = json.loads(earlier.read_text()).get("variants", {}) if opts.resume and earlier.is_file() else {}
 
-    def record(v: Variant, p: H.Prompt, res: dict, n_sa: int | None = None) -> dict:
+    def record(v: Variant, p: H.Prompt, res: dict, n_sa: int | None = None, ref: dict | None = None) -> dict:
         r = {"variant": v.name, "variant_key": v.key(), "family": p.family, "category": p.category, "kind": p.kind,
              "haystack": p.haystack, "placement": p.placement, "index": p.index, "prompt_hash": prompt_hash(p),
              "answers": p.answers, "n_sa": n_sa, **res}  # fmt: skip
-        r["score"] = score(p, res, res if v is dense else samples.get(dense, p))
+        r["score"] = score(p, res, ref)
         r["found"] = bool(r["score"] == 100.0) if p.category == "sensitive" else None
         samples.add(r)
         return r
@@ -405,14 +406,14 @@ def run(opts, argv: list[str], log=print) -> dict:
                     skipped.append(f"dense {p.family} #{p.index}")
                     done += 1
                     continue
-                res = srv.ask(p, xargs)
+                res, ref = srv.ask(p, xargs), None
                 if p.kind == "summarize":  # dense's reply (dense: the one just written) under this routing
                     ref = res if v is dense else samples.get(dense, p)
                     if ref is None:
                         raise RuntimeError(f"{v.name} {p.family} #{p.index}: no dense reply to score the summary by")
                     ids, n = reply_prompt(tok, p, ref["pred"])
                     res |= srv.reply_loss(ids, n, xargs, f"{v.name} {p.family} #{p.index} (dense's reply)")
-                record(v, p, res, n_sa)
+                record(v, p, res, n_sa, ref)
                 done += 1
                 if done % 10 == 0 or done == len(todo):
                     eta = (time.perf_counter() - t0) / done * (len(todo) - done)

@@ -345,15 +345,14 @@ def test_summary_of_a_slice_without_robust_families(monkeypatch):
 @pytest.mark.slow
 def test_slice_end_to_end_through_real_servers(tmp_path):
     """A number-in-docs family, the logs continuation loss and the logs summary, 2 prompts each, through
-    `elastic-vllm serve` (the
-    shipped router; the static ranking's own server), then --resume adds a variant without re-running the others
-    and serves a renamed configuration from the samples it already has."""
+    `elastic-vllm serve` (the shipped router; the static ranking's own server), then --resume adds a variant without
+    re-running the others and serves a renamed configuration from the samples it already has."""
     scores = torch.arange(90, dtype=torch.float32).view(30, 3).flip(0)  # any fixed ranking: the test checks routing
     (tmp_path / "scores.json").write_text(json.dumps({"retrieval_scores": scores.tolist()}))
     out = tmp_path / "out"
     argv = ["--suite", "generalization", "--slice", "number/docs/after", "continue/logs/after", "summarize/logs/after",
-            "--per-cell", "2", "--prompt-tokens", "900", "--min-dense", "0", "--static-scores", str(tmp_path / "scores.json"),
-            "--device", "cpu", "--out", str(out)]  # fmt: skip
+            "--per-cell", "2", "--prompt-tokens", "900", "--min-dense", "0",
+            "--static-scores", str(tmp_path / "scores.json"), "--device", "cpu", "--out", str(out)]  # fmt: skip
     assert harness.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert set(res["families"]) == {"number/docs/after", "continue/logs/after", "summarize/logs/after"}
