@@ -40,7 +40,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _harness import ROOT, environment, log, made_with, write_json
+from _harness import ROOT, environment, log, made_with, provenance, write_json
 from _routers import fixed_share_router
 from serve_bench import (
     DEMO_ELASTIC,
@@ -238,24 +238,14 @@ def accuracy_cost(on: dict | None, model: str) -> dict:
     return out
 
 
-def markdown(d: dict) -> str:
-    env = d["environment"]
-    o = d["options"]
+def step_table(rows: list[dict]) -> list[str]:
+    """The per-step off / on table (Markdown lines): the result's own and the docs' (``benchmarks/report.py``)."""
     lines = [
-        f"# Load ramp: load policy off vs on ({d['model']}, {env.get('gpu')})"
-        + (" (--dry: a plumbing check, the numbers mean nothing)" if d.get("dry") else ""),
-        "",
-        made_with({**env, "triton": None}, d.get("merged_from", [])),
-        "",
-        f"Saturating rate {d['sat_rate']:.3g} requests/s ({d['sat_rate_from']}); prompts {o['input']} x (1 +- "
-        f"{o['range_ratio']}) tokens, {o['output']} out (`--ignore-eos`), Poisson arrivals for ~{o['step_s']:g} s a "
-        f"step; load policy on: `{json.dumps(d['load_policy'])}`. Pairs are off / on.",
-        "",
         "| step | rate (req/s) | prompts | p50 TTFT (ms) | p99 TTFT (ms) | p99 off / on | req/s | out tok/s "
         "| bias max (on) | bias mean (on) | Omega_MSR | load-biased |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in d["comparison"]:
+    for r in rows:
         ratio = f"{r['p99_ttft_off_over_on']:.2f}x" if r["p99_ttft_off_over_on"] is not None else "-"
         om = " / ".join("-" if x is None else f"{x:.3f}" for x in r["omega_msr_mean"])
         lines.append(
@@ -265,6 +255,28 @@ def markdown(d: dict) -> str:
             f"{r['output_throughput'][1]:.0f} | {r['bias_max'][1]:g} | {r['bias_mean'][1]:.2f} | {om} | "
             f"{r['load_biased_requests'][1]} |"
         )
+    return lines
+
+
+def markdown(d: dict) -> str:
+    env = d["environment"]
+    o = d["options"]
+    lines = [
+        f"# Load ramp: load policy off vs on ({d['model']}, {env.get('gpu')})"
+        + (" (--dry: a plumbing check, the numbers mean nothing)" if d.get("dry") else ""),
+        "",
+        made_with(
+            {**env, "triton": None},
+            d.get("merged_from", [])[1 if env.get("report_command") else 0 :],
+            f"; report: `{env['report_command']}`" if env.get("report_command") else "",
+        ),
+        "",
+        f"Saturating rate {d['sat_rate']:.3g} requests/s ({d['sat_rate_from']}); prompts {o['input']} x (1 +- "
+        f"{o['range_ratio']}) tokens, {o['output']} out (`--ignore-eos`), Poisson arrivals for ~{o['step_s']:g} s a "
+        f"step; load policy on: `{json.dumps(d['load_policy'])}`. Pairs are off / on.",
+        "",
+        *step_table(d["comparison"]),
+    ]
     bursts = {k: v["burst"]["summary"] for k, v in d["servers"].items() if "burst" in v}
     if bursts:
         lines += ["", "Bursts (every prompt at once): " + "; ".join(
@@ -341,11 +353,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-s", type=float, default=900)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/load-ramp-h200.json")
     p.add_argument("--merge", type=Path, nargs="*", default=[], help="earlier --out files: their servers are kept")
+    p.add_argument("--report", action="store_true", help="run nothing: pair the --merge files' servers, write --out")
     p.add_argument("--dry", action="store_true", help="CPU plumbing check: tiny shapes")
     a = p.parse_args(argv)
-    import torch
+    if a.report and not a.merge:
+        p.error("--report needs --merge: the files whose servers it pairs")
+    if a.report:  # nothing runs: no torch import (the machine and versions are the merged files')
+        cuda = False
+    else:
+        import torch
 
-    cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available()
     base = {**DRY} if a.dry else {**GPU, **MODELS[a.model or "demo"], "model": a.model or "demo"}
     if a.dry and a.model:
         base["model"] = a.model
@@ -360,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     policy = json.loads(a.policy)
     if "enabled" in policy:
         p.error("--policy: enabled is what the two servers differ in")
-    if a.demo_model is None:
+    if a.demo_model is None and not a.report:
         from elastic_vllm.models import fetch_demo_model
 
         a.demo_model = fetch_demo_model()
@@ -375,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         model, name, elastic, margs = a.demo_model, "demo", dict(DEMO_ELASTIC), []
     else:
         mml = math.ceil(o["input"] * (1 + o["range_ratio"])) + o["output"] + 16
-        model, name = llama_dir(work, a.demo_model, mml, a.dry), "llama"
-        elastic = {"router_path": str(fixed_share_router(model, work, SHARE))}
+        model, name = (None, "llama") if a.report else (llama_dir(work, a.demo_model, mml, a.dry), "llama")
+        elastic = {} if a.report else {"router_path": str(fixed_share_router(model, work, SHARE))}
         margs = ["--load-format", "dummy", "--max-model-len", str(mml)]
     results: dict = {}
     merged_from = []
@@ -387,7 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         results.update(d0["servers"])
     sat = a.sat_rate or results.get("off", {}).get("sat_rate")
     cmd = ["python3", "benchmarks/load_ramp.py", *argv]
-    env_rec = environment(("torch", "triton", "vllm", "transformers"), cmd)
+    env_rec = environment(("torch", "triton", "vllm", "transformers"), cmd) if not a.report else {}
+    if a.report:  # the machine and versions are the runs', the command is this report's
+        first = json.loads(a.merge[0].read_text())
+        env_rec = {**first["environment"], "report_command": provenance(cmd)["command"]}
+        elastic, o = first["elastic_config"], first["options"]
 
     def write() -> str:
         """JSON, Markdown and plot of the servers so far (after each server: a run cut short keeps the first)."""
@@ -415,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out.with_suffix(".md").write_text(md)
         return md
 
-    for label in a.servers.split(","):
+    for label in [] if a.report else a.servers.split(","):
         cfg = {**elastic, "load_policy": {**policy, "enabled": label == "on"}}
         args = [*common, *margs, "--additional-config", json.dumps({"elastic": cfg})]
         if sat is None and label != "off":

@@ -621,6 +621,28 @@ def budgets_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+LOAD_RAMP = "load-ramp-demo-h100.json"
+
+
+def load_ramp_table(doc: Path) -> str:
+    """The committed load ramp's steps (off / on pairs), its target and the bias levels it reached."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import load_ramp
+
+    d = load(LOAD_RAMP)
+    env = d["environment"]
+    lines = [
+        f"{d['model']} model, {env['gpu']}, saturating rate {d['sat_rate']:.3g} requests/s, load policy "
+        f"`{json.dumps(d['load_policy'])}` ({_link(LOAD_RAMP, doc)} at {env['git_commit'][:7]}); pairs are off / on:",
+        "",
+        *load_ramp.step_table(d["comparison"]),
+        "",
+    ]
+    for t in d["targets"]:
+        lines.append(f"Target: {t['what']}: {t['value']}, {met(t['met'])}.")
+    return "\n".join(lines) + "\n"
+
+
 SERVED_GENERALIZATION = "generalization-served-smollm2-cpu/results.json"
 
 
@@ -806,6 +828,7 @@ SECTIONS = {  # (file, name) -> the section's text, given the file
     (DOCS / "benchmarks.md", "kernels"): lambda doc: results_table(kernel_rows(), doc),
     (DOCS / "benchmarks.md", "engine"): lambda doc: results_table(engine_rows(), doc),
     (DOCS / "benchmarks.md", "serving"): serving_table,
+    (DOCS / "benchmarks.md", "load-ramp"): load_ramp_table,
     (DOCS / "benchmarks.md", "cpu"): lambda doc: results_table(cpu_rows(), doc),
     (DOCS / "benchmarks.md", "checks"): lambda doc: results_table(check_rows(), doc),
     (DOCS / "training.md", "routers"): lambda doc: results_table(router_rows(), doc),

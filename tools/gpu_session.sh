@@ -242,9 +242,10 @@ case "$step" in
     # default 0.5,1,1.5,2,3), RAMP_SAT (req/s; default measured), RAMP_STEP_S (seconds of arrivals a step, 12),
     # RAMP_BURST (256; llama 32), RAMP_MAX_PROMPTS (3000), RAMP_INPUT / RAMP_RANGE / RAMP_OUTPUT (4096 / 0.9 / 32),
     # RAMP_POLICY (JSON load_policy fields; default the config's), RAMP_SERVERS (off,on: split over calls with
-    # RAMP_SAT and MERGE; llama's servers take ~3 min each to start: split), RAMP_NAME, RAMP_TIMEOUT (520 s, then
-    # SIGINT: the servers stop, the JSON of the servers done stays). Back: OUT/<name>.json, .md, -bias.png. Takes
-    # ~ 2 x (startup + burst + ~6 x RAMP_STEP_S) s.
+    # RAMP_SAT; the demo's off server alone took 400 s on the H100, llama's take ~3 min each to start: split, then
+    # `load_ramp.py --report --merge` pairs the files here), RAMP_NAME, RAMP_TIMEOUT (520 s, then SIGINT: the
+    # servers stop, the JSON of the servers done stays). Back: OUT/<name>.json, .md, -bias.png. Takes
+    # ~ startup + burst + ~6 x RAMP_STEP_S s a server.
     M=$(demo)
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/pip-e.log 2>&1 || { tail /tmp/pip-e.log; exit 1; }
     mkdir -p /tmp/ramp "$OUT"

@@ -126,3 +126,33 @@ def test_dry_ramp_off_and_on_through_vllms_client(tmp_path):
     assert d["accuracy"]["biases_reached"] and max(d["accuracy"]["biases_reached"]) <= 32.0
     md = out.with_suffix(".md").read_text()
     assert "| 2x |" in md and "p99 off / on" in md
+
+
+def test_report_pairs_servers_of_separate_runs(tmp_path):
+    """--report runs nothing: the committed GPU ramp, split back into its off and on runs, pairs into the same steps,
+    keeps the runs' machine, versions and commit, and names both runs' commands."""
+    whole = json.loads((ROOT / "benchmarks/results/load-ramp-demo-h100.json").read_text())
+    parts = []
+    for label in ("off", "on"):
+        part = {**whole, "servers": {label: whole["servers"][label]}}
+        parts.append(tmp_path / f"{label}.json")
+        parts[-1].write_text(json.dumps(part))
+    out = tmp_path / "ramp.json"
+    cmd = [sys.executable, str(SCRIPT), "--report", "--merge", *map(str, parts), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["comparison"] == whole["comparison"] and len(d["comparison"]) == 5
+    assert d["targets"] == whole["targets"] and d["targets"][0]["met"] is False
+    env = d["environment"]
+    assert env["gpu"] == whole["environment"]["gpu"] and env["git_commit"] == whole["environment"]["git_commit"]
+    assert "--report" in env["report_command"]
+    md = out.with_suffix(".md").read_text()
+    assert "| 2x | 70.1 | 841 | 5696 / 3706 | 9284 / 8576 | 1.08x |" in md
+    assert md.count("--servers") == 2  # the run and the one merged after it
+
+
+def test_report_needs_files_to_pair(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--report", "--out", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--report needs --merge" in proc.stderr
