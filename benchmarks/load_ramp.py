@@ -22,8 +22,9 @@ Per step: the client's JSON as written (TTFT p50 / p99, throughput), the bias se
 in a thread) with its max and mean, vLLM's mean queue / prefill time per request, elastic's mean realized Omega_MSR
 and how many requests the policy biased. Then: p99 TTFT off / on per step, the target at the 2x step (>= 1.5x), and
 the bias levels reached with the accuracy run that prices them: a load bias b routes as sa_margin -b does (a head is
-FA iff z_FA - z_SA > bias - sa_margin), so the generalization suite's ``--margins`` at -b (``tools/gpu_session.sh
-generalization``, MARGINS) is its accuracy cost; the per-step Omega_MSR places it on ``eval --suite budgets``' curve.
+FA iff z_FA - z_SA > bias - sa_margin), so the served generalization suite with a variant of ``sa_margin`` -b at
+the highest level reached prices them all (on the CPU build, ``--resume`` on its committed samples); the per-step
+Omega_MSR places them on ``eval --suite budgets``' curve.
 Writes JSON (GPU, versions, commit, command: _harness), Markdown next to it and, when matplotlib is installed, a PNG
 of the bias over time and p99 TTFT per step.
 """
@@ -229,10 +230,12 @@ def accuracy_cost(on: dict | None, model: str) -> dict:
     out = {"biases_reached": levels, "sa_margins": [-b for b in levels],
            "why": "a load bias b routes as sa_margin -b (FA iff z_FA - z_SA > bias - sa_margin)"}  # fmt: skip
     if model == "demo" and levels:
-        router = ROOT / "router_weights" / "smollm2-135m-instruct"
-        margins = " ".join(f"{-b:g}" for b in levels)
+        # the highest level bounds the others' cost (a larger bias only sends more heads to SA): the served
+        # generalization suite with it as a variant, on its committed samples (--resume runs only the new variant)
+        top = f"{max(levels):g}"
         out["command"] = (
-            f'ROUTERS={router.relative_to(ROOT)} MARGINS="{margins}" bash tools/gpu_session.sh generalization'
+            "elastic-vllm eval --suite generalization --device cpu --out OUT --resume --variants dense elastic "
+            f"""load{top} --variant 'load{top}={{"sa_margin": -{top}}}'"""
         )
         out["budgets_command"] = "bash tools/gpu_session.sh budgets  # score vs realized Omega_MSR (the steps' Omega)"
     return out

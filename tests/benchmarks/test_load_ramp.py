@@ -44,7 +44,7 @@ def test_report_compares_steps_and_prices_the_biases_reached():
     assert not load_ramp.targets(load_ramp.compare(off, {"steps": [_step(2.0, 2500, [0])]}))[0]["met"]  # 1.2x
     acc = load_ramp.accuracy_cost(on, "demo")
     assert acc["biases_reached"] == [8.0, 32.0] and acc["sa_margins"] == [-8.0, -32.0]
-    assert 'MARGINS="-8 -32"' in acc["command"] and "generalization" in acc["command"]
+    assert """--variant 'load32={"sa_margin": -32}'""" in acc["command"] and "--suite generalization" in acc["command"]
     assert "command" not in load_ramp.accuracy_cost(on, "llama")  # dummy weights: no accuracy to price
     assert load_ramp.step_prompts(2.0, 10.0, {"step_s": 12, "min_prompts": 16, "max_prompts": 100}) == 100
     assert load_ramp.step_prompts(0.5, 1.0, {"step_s": 12, "min_prompts": 16, "max_prompts": 100}) == 16
