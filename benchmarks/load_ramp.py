@@ -408,11 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         results.update(d0["servers"])
     sat = a.sat_rate or results.get("off", {}).get("sat_rate")
     cmd = ["python3", "benchmarks/load_ramp.py", *argv]
-    env_rec = environment(("torch", "triton", "vllm", "transformers"), cmd) if not a.report else {}
     if a.report:  # the machine and versions are the runs', the command is this report's
         first = json.loads(a.merge[0].read_text())
         env_rec = {**first["environment"], "report_command": provenance(cmd)["command"]}
         elastic, o = first["elastic_config"], first["options"]
+    else:
+        env_rec = environment(("torch", "triton", "vllm", "transformers"), cmd)
 
     def write() -> str:
         """JSON, Markdown and plot of the servers so far (after each server: a run cut short keeps the first)."""
