@@ -54,14 +54,13 @@ def poolings() -> list[tuple[str, int, float]]:
 
 
 def pool(keys, how: tuple[str, int, float]):
-    """keys [T, L, H, d] (one prompt) -> [L, H, d]: boundary mean, mixed with the mean of the last m tokens."""
+    """keys [T, L, H, d] (one prompt) -> [L, H, d]: the routers' boundary mean (``router.model.boundary_positions``),
+    mixed with the mean of the last m tokens."""
+    from elastic_vllm.router.model import boundary_positions
+
     _, m, a = how
     T = keys.shape[0]
-    n = min(N_BOUNDARY, T // 2)
-    import torch
-
-    idx = torch.cat([torch.arange(n), torch.arange(T - n, T)]).unique()
-    base = keys[idx].mean(0)
+    base = keys[boundary_positions(T, N_BOUNDARY)].mean(0)
     return base if m == 0 else (1 - a) * base + a * keys[T - m :].mean(0)
 
 

@@ -19,7 +19,7 @@ from elastic_vllm.eval import heldout as H  # noqa: E402
 from elastic_vllm.router.model import pool_keys  # noqa: E402
 
 
-@pytest.mark.parametrize("T", [150, 230, 1200])
+@pytest.mark.parametrize("T", [150, 199, 201, 230, 1200])
 def test_boundary_pooling_is_the_routers_and_tail_mixes_the_last_tokens(T):
     g = torch.Generator().manual_seed(T)
     keys = torch.randn(T, 3, 2, 8, generator=g)  # [T, L, H, d]
