@@ -43,7 +43,10 @@ REWORDED = (
 
 def reworded(content: str, question: str, index: int) -> str:
     """The summary prompt with its instruction replaced by one of ``REWORDED`` (by prompt index)."""
-    what = question.removeprefix("Summarize the ").removesuffix(" above in two sentences.")
+    from elastic_vllm.eval.heldout import SUMMARY_Q
+
+    head, tail = SUMMARY_Q.split("{what}")
+    what = question.removeprefix(head).removesuffix(tail)
     if what == question or question not in content:
         raise ValueError(f"not a summary instruction of heldout.SUMMARY_Q's form: {question!r}")
     return content.replace(question, REWORDED[index % len(REWORDED)].format(what=what))
@@ -86,13 +89,12 @@ def capture_keys(model, ids):
 
 
 def auc(scores, labels) -> float:
-    """Mann-Whitney AUC of scores for label 1 over label 0 (ties count half)."""
-    pos = [s for s, y in zip(scores, labels) if y]
-    neg = [s for s, y in zip(scores, labels) if not y]
-    if not pos or not neg:
-        return float("nan")
-    wins = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
-    return wins / (len(pos) * len(neg))
+    """AUC of scores for label 1 over label 0 (ties count half): ``query_guard.auc`` on the two groups."""
+    import torch
+    from query_guard import auc as auc_groups
+
+    s, y = torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(labels, dtype=torch.bool)
+    return auc_groups(s[y], s[~y])
 
 
 def fit_logistic(x, y, l2: float = L2, steps: int = 60):
